@@ -1,0 +1,47 @@
+# FairQueue: `make demo` runs the whole system; `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export REDIS_URL ?= redis://127.0.0.1:6379/0
+export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+DEMO_PORT ?= 8000
+
+.PHONY: demo test lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements-dev.txt
+	touch $@
+
+redis:
+	@scripts/ensure_redis.sh
+
+migrate: venv
+	$(PY) manage.py migrate --noinput
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy fairqueue/engine
+
+test: venv redis lint typecheck
+	$(PY) manage.py test --noinput $(TESTS)
+
+demo: venv redis migrate
+	@scripts/demo.sh $(DEMO_PORT)
+
+bench-engine: venv redis
+	$(PY) manage.py bench engine --json var/bench-engine.json
+
+bench-noisy: venv redis migrate
+	$(PY) manage.py bench noisy --json var/bench-noisy.json --plot var/bench-noisy.png
+
+chaos: venv redis migrate
+	$(PY) manage.py chaos --json var/chaos.json
+
+clean:
+	rm -rf $(VENV) var test_db.sqlite3*

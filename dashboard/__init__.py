@@ -1,0 +1,1 @@
+"""Live dashboard: snapshot builder, Channels consumer and the page."""

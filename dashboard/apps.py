@@ -1,0 +1,8 @@
+"""App config for the dashboard."""
+
+from django.apps import AppConfig
+
+
+class DashboardConfig(AppConfig):
+    name = "dashboard"
+    verbose_name = "Dashboard"

@@ -1,0 +1,5 @@
+"""Websocket routes (filled by the dashboard issue)."""
+
+from django.urls import URLPattern
+
+websocket_urlpatterns: list[URLPattern] = []

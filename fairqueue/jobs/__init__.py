@@ -1,0 +1,1 @@
+"""The jobs side: Job records, the REST submit API and the Celery integration."""

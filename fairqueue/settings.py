@@ -1,0 +1,168 @@
+"""Django settings. The environment is read here and only here (django-environ)."""
+
+import sys
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
+
+env = environ.Env()
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+# --- Core -------------------------------------------------------------------------
+DEBUG = env.bool("DEBUG", default=False)
+# The demo and tests run without a configured secret; anything else must set one.
+DEMO_MODE = env.bool("FAIRQUEUE_DEMO", default=DEBUG or RUNNING_TESTS)
+SECRET_KEY = env.str("SECRET_KEY", default="insecure-demo-only-key" if DEMO_MODE else None)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_prometheus",
+    "channels",
+    "tenants",
+    "fairqueue.jobs",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
+]
+
+ROOT_URLCONF = "fairqueue.urls"
+WSGI_APPLICATION = "fairqueue.wsgi.application"
+ASGI_APPLICATION = "fairqueue.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -----------------------------------------------------------------------
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Workers and the web process write concurrently: WAL lets readers proceed, and
+    # IMMEDIATE transactions take the write lock up front instead of failing mid-way.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # A file (not :memory:) so that real worker processes started by tests share it.
+    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / "test_db.sqlite3")}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Redis ----------------------------------------------------------------------------
+# Tests get their own Redis database and refuse to run on a non-empty one (tests/base.py).
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+if RUNNING_TESTS:
+    REDIS_URL = env.str("FAIRQUEUE_TEST_REDIS_URL", default="redis://127.0.0.1:6379/15")
+
+CACHES = {
+    "default": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "fq:cache",
+        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+    }
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": "fq:channels:"},
+    }
+}
+
+# --- Celery -----------------------------------------------------------------------------
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    # Strict priority across the per-class queues instead of kombu's round robin.
+    "queue_order_strategy": "priority",
+    # The engine's leases re-deliver work from dead workers; the broker's own
+    # re-delivery is only a late safety net, so it must not fire on long jobs.
+    "visibility_timeout": env.int("FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600),
+    "global_keyprefix": "fq:celery:",
+}
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- FairQueue ----------------------------------------------------------------------------
+FAIRQUEUE = {
+    # Seconds a running job's hold lives without a heartbeat.
+    "LEASE_SECONDS": env.float("FAIRQUEUE_LEASE_SECONDS", default=30.0),
+    # Seconds an admitted job may wait in the broker before a worker starts it.
+    "DISPATCH_LEASE_SECONDS": env.float("FAIRQUEUE_DISPATCH_LEASE_SECONDS", default=600.0),
+    "PAYLOAD_THRESHOLD_BYTES": env.int("FAIRQUEUE_PAYLOAD_THRESHOLD_BYTES", default=256 * 1024),
+    "PAYLOAD_DIR": env.str("FAIRQUEUE_PAYLOAD_DIR", default=str(BASE_DIR / "var" / "payloads")),
+    "MAX_REQUEST_BYTES": env.int("FAIRQUEUE_MAX_REQUEST_BYTES", default=16 * 1024 * 1024),
+    "POISON_PILL_LIMIT": env.int("FAIRQUEUE_POISON_PILL_LIMIT", default=3),
+    "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
+}
+DATA_UPLOAD_MAX_MEMORY_SIZE = FAIRQUEUE["MAX_REQUEST_BYTES"]
+
+# --- Auth, i18n, static ---------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+LOGIN_URL = "/admin/login/"
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="WARNING")},
+    "loggers": {"fairqueue": {"level": env.str("FAIRQUEUE_LOG_LEVEL", default="INFO")}},
+}
+
+if not DEBUG and not DEMO_MODE:
+    SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=True)
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=31536000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")

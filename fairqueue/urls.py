@@ -1,0 +1,10 @@
+"""URL map: admin, REST API, dashboard and Prometheus metrics."""
+
+from django.contrib import admin
+from django.urls import include, path
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("", include("dashboard.urls")),
+    path("", include("django_prometheus.urls")),
+]

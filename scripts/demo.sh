@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run the whole demo: seed, web server (daphne), workers and demo load. Ctrl-C stops all.
+set -euo pipefail
+PORT="${1:-8000}"
+PY=.venv/bin/python
+export FAIRQUEUE_DEMO=1 DEBUG="${DEBUG:-1}"
+mkdir -p var
+$PY manage.py seed_demo | tee var/demo-credentials.txt
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; }
+trap cleanup EXIT INT TERM
+if $PY manage.py help worker >/dev/null 2>&1; then
+  $PY manage.py worker --concurrency 8 --hostname demo1@%h > var/worker1.log 2>&1 & pids+=($!)
+  $PY manage.py worker --concurrency 8 --hostname demo2@%h > var/worker2.log 2>&1 & pids+=($!)
+fi
+if $PY manage.py help demo_load >/dev/null 2>&1; then
+  $PY manage.py demo_load --base-url "http://127.0.0.1:$PORT" > var/demo-load.log 2>&1 & pids+=($!)
+fi
+$PY -m daphne -b 127.0.0.1 -p "$PORT" fairqueue.asgi:application > var/web.log 2>&1 & pids+=($!)
+sleep 2
+cat <<MSG
+
+  FairQueue demo is running (logs in var/).
+    Admin:      http://127.0.0.1:$PORT/admin/
+    Dashboard:  http://127.0.0.1:$PORT/dashboard/
+    API:        http://127.0.0.1:$PORT/api/v1/docs
+    Metrics:    http://127.0.0.1:$PORT/metrics
+  Login and demo API keys: var/demo-credentials.txt (printed above).
+  Ctrl-C stops everything.
+MSG
+wait "${pids[-1]}"

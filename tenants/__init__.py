@@ -1,0 +1,1 @@
+"""Policy: tenants, sub-tenants, shards, latency classes, pool settings; sync to Redis."""

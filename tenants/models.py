@@ -1,0 +1,191 @@
+"""Policy models edited by operators in the admin and mirrored into Redis."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+from django.utils import timezone
+
+SLUG_VALIDATOR = RegexValidator(
+    r"^[a-z0-9][a-z0-9_-]{0,62}$",
+    "Use 1-63 lowercase letters, digits, '-' or '_', starting with a letter or digit.",
+)
+
+API_KEY_PREFIX_LEN = 8
+
+
+def _hash_api_key(raw_key: str) -> str:
+    # Keys are 256-bit random tokens, so a fast hash is as safe as a slow one here
+    # and keeps authentication off the hot path's critical time.
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+class Shard(models.Model):
+    """A database shard; its capacity caps the concurrent jobs all its tenants run."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[SLUG_VALIDATOR])
+    capacity = models.PositiveIntegerField(
+        default=50, validators=[MinValueValidator(1)], help_text="Max concurrent jobs this database can take."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class LatencyClass(models.Model):
+    """A latency objective; jobs of higher-ranked classes run first."""
+
+    name = models.CharField(max_length=32, unique=True, validators=[SLUG_VALIDATOR])
+    objective_seconds = models.PositiveIntegerField(
+        validators=[MinValueValidator(1)], help_text="Oldest waiting job should be younger than this."
+    )
+    rank = models.PositiveSmallIntegerField(
+        unique=True,
+        validators=[MaxValueValidator(250)],
+        help_text="Higher runs first (0-250); also the job's priority in waiter queues.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-rank"]
+        verbose_name_plural = "latency classes"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Tenant(models.Model):
+    """A customer account: its concurrency floor, burst allowance and access key."""
+
+    slug = models.CharField(max_length=63, unique=True, validators=[SLUG_VALIDATOR])
+    name = models.CharField(max_length=200)
+    active = models.BooleanField(default=True)
+    shard = models.ForeignKey(Shard, on_delete=models.PROTECT, related_name="tenants")
+    floor = models.PositiveIntegerField(default=2, help_text="Guaranteed concurrency, never cut by pressure.")
+    burst_floor = models.PositiveIntegerField(default=2, help_text="Minimum burst headroom above base.")
+    burst_pct = models.FloatField(
+        default=0.5,
+        validators=[MinValueValidator(0.0), MaxValueValidator(10.0)],
+        help_text="Burst headroom as a fraction of base (0-10; 0.5 = 50%).",
+    )
+    max_concurrency = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Hard max; never exceeded whatever the formula says. Empty = none."
+    )
+    dedicated = models.PositiveIntegerField(default=0, help_text="Paid-for capacity added on top of the limit.")
+    batch_enabled = models.BooleanField(default=False, help_text="May submit batch-lane jobs.")
+    default_latency_class = models.ForeignKey(
+        LatencyClass, on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    sub_tenant_share = models.FloatField(
+        default=0.5,
+        validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
+        help_text="Default cap of an unregistered sub-tenant, as a share of the tenant's limit.",
+    )
+    api_key_prefix = models.CharField(max_length=API_KEY_PREFIX_LEN, unique=True, null=True, blank=True, editable=False)
+    api_key_hash = models.CharField(max_length=64, blank=True, editable=False)
+    api_key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+    def clean(self) -> None:
+        if self.max_concurrency is not None and self.floor > self.max_concurrency:
+            raise ValidationError({"floor": f"Floor ({self.floor}) is above the hard max ({self.max_concurrency})."})
+        if self.max_concurrency == 0:
+            raise ValidationError({"max_concurrency": "A hard max of 0 would block every job; deactivate instead."})
+
+    def rotate_api_key(self) -> str:
+        """Give the tenant a new key and return it; only its hash is kept, so show it now."""
+        prefix = secrets.token_hex(API_KEY_PREFIX_LEN // 2)
+        raw_key = f"fq_{prefix}_{secrets.token_urlsafe(32)}"
+        self.api_key_prefix = prefix
+        self.api_key_hash = _hash_api_key(raw_key)
+        self.api_key_rotated_at = timezone.now()
+        return raw_key
+
+    def check_api_key(self, raw_key: str) -> bool:
+        return bool(self.api_key_hash) and hmac.compare_digest(self.api_key_hash, _hash_api_key(raw_key))
+
+    @staticmethod
+    def prefix_of(raw_key: str) -> str | None:
+        """The lookup prefix embedded in a raw key, or None if it is not one of ours."""
+        parts = raw_key.split("_", 2)
+        if len(parts) != 3 or parts[0] != "fq" or len(parts[1]) != API_KEY_PREFIX_LEN:
+            return None
+        return parts[1]
+
+
+class SubTenant(models.Model):
+    """A customer's own end-customer, throttled separately inside the tenant."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="sub_tenants")
+    external_id = models.CharField(max_length=200, help_text="The customer's own id for its end-customer.")
+    max_concurrency = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["tenant", "external_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "external_id"], name="unique_sub_tenant_per_tenant"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.slug}/{self.external_id}"
+
+
+class PoolSettings(models.Model):
+    """Fleet-wide knobs; a single row (pk=1)."""
+
+    target_utilisation = models.FloatField(
+        default=0.85,
+        validators=[MinValueValidator(0.05), MaxValueValidator(1.0)],
+        help_text="Fraction of live worker slots the pool aims to keep busy (pool target).",
+    )
+    f_min = models.FloatField(
+        default=0.25, validators=[MinValueValidator(0.01)], help_text="Lowest pressure factor on ceilings."
+    )
+    f_max = models.FloatField(
+        default=4.0, validators=[MinValueValidator(0.01)], help_text="Highest pressure factor on ceilings."
+    )
+    rate_window_seconds = models.PositiveIntegerField(
+        default=300, validators=[MinValueValidator(10), MaxValueValidator(3600)]
+    )
+    default_job_seconds = models.FloatField(
+        default=1.0, validators=[MinValueValidator(0.001)], help_text="Assumed job duration before any finishes."
+    )
+    batch_objective_seconds = models.PositiveIntegerField(default=12 * 3600, validators=[MinValueValidator(1)])
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "pool settings"
+        verbose_name_plural = "pool settings"
+
+    def __str__(self) -> str:
+        return "Pool settings"
+
+    def clean(self) -> None:
+        if self.f_min is not None and self.f_max is not None and self.f_min > self.f_max:
+            raise ValidationError({"f_min": f"f_min ({self.f_min}) must not exceed f_max ({self.f_max})."})
+
+    def save(self, *args: object, **kwargs: object) -> None:
+        self.pk = 1
+        super().save(*args, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def load(cls) -> PoolSettings:
+        obj, _ = cls.objects.get_or_create(pk=1)
+        return obj

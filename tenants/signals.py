@@ -1,0 +1,1 @@
+"""Save/delete signals that mirror policy into Redis after the transaction commits."""

@@ -1,0 +1,54 @@
+"""Test bases: every test gets a clean, dedicated Redis database.
+
+Tests refuse to run against a Redis database that already holds data, so they can never
+wipe a demo or production instance by accident; they flush it around each test.
+"""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from django.test import TestCase, TransactionTestCase
+
+_checked_empty = False
+
+
+def redis_client() -> redis.Redis:
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _guard_and_flush() -> None:
+    global _checked_empty
+    client = redis_client()
+    if not _checked_empty:
+        size = client.dbsize()
+        if size:
+            raise RuntimeError(
+                f"Refusing to run tests: Redis at {settings.REDIS_URL} holds {size} keys. "
+                "Point FAIRQUEUE_TEST_REDIS_URL at an empty database."
+            )
+        _checked_empty = True
+    client.flushdb()
+
+
+class RedisTestMixin:
+    """Flushes the test Redis database before and after each test."""
+
+    redis: redis.Redis
+
+    def setUp(self) -> None:
+        _guard_and_flush()
+        self.redis = redis_client()
+        super().setUp()  # type: ignore[misc]
+
+    def tearDown(self) -> None:
+        super().tearDown()  # type: ignore[misc]
+        self.redis.flushdb()
+
+
+class RedisTestCase(RedisTestMixin, TestCase):
+    """A transactional test (rolled back) with a clean Redis."""
+
+
+class RedisTransactionTestCase(RedisTestMixin, TransactionTestCase):
+    """For tests where other processes (real workers) must see committed rows."""

@@ -1,0 +1,15 @@
+"""The project boots: settings load, migrations seed the latency classes, Redis answers."""
+
+from tenants.models import LatencyClass
+from tests.base import RedisTestCase
+
+
+class SmokeTests(RedisTestCase):
+    def test_latency_classes_are_seeded_in_rank_order(self) -> None:
+        self.assertEqual(
+            list(LatencyClass.objects.values_list("name", flat=True)), ["critical", "high", "default", "low"]
+        )
+
+    def test_redis_is_the_dedicated_test_database(self) -> None:
+        self.assertTrue(self.redis.ping())
+        self.assertEqual(self.redis.connection_pool.connection_kwargs["db"], 15)
