@@ -76,7 +76,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     # A file (not :memory:) so that real worker processes started by tests share it.
-    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / "test_db.sqlite3")}
+    DATABASES["default"]["TEST"] = {
+        "NAME": env.str("FAIRQUEUE_TEST_DB_NAME", default=str(BASE_DIR / "test_db.sqlite3"))
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis ----------------------------------------------------------------------------

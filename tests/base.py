@@ -17,6 +17,11 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL)
 
 
+def redis_db_number() -> int:
+    """The database number tests were told to use (never the demo's db 0 by default)."""
+    return int(redis.connection.parse_url(settings.REDIS_URL).get("db", 0))
+
+
 def _guard_and_flush() -> None:
     global _checked_empty
     client = redis_client()

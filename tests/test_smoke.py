@@ -1,7 +1,7 @@
 """The project boots: settings load, migrations seed the latency classes, Redis answers."""
 
 from tenants.models import LatencyClass
-from tests.base import RedisTestCase
+from tests.base import RedisTestCase, redis_db_number
 
 
 class SmokeTests(RedisTestCase):
@@ -12,4 +12,4 @@ class SmokeTests(RedisTestCase):
 
     def test_redis_is_the_dedicated_test_database(self) -> None:
         self.assertTrue(self.redis.ping())
-        self.assertEqual(self.redis.connection_pool.connection_kwargs["db"], 15)
+        self.assertEqual(self.redis.connection_pool.connection_kwargs["db"], redis_db_number())
