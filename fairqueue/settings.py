@@ -135,6 +135,15 @@ FAIRQUEUE = {
     "POISON_PILL_LIMIT": env.int("FAIRQUEUE_POISON_PILL_LIMIT", default=3),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
 }
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    # Offloaded job arguments and results; swap in a django-storages backend to share it.
+    "payloads": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": FAIRQUEUE["PAYLOAD_DIR"]},
+    },
+}
 DATA_UPLOAD_MAX_MEMORY_SIZE = FAIRQUEUE["MAX_REQUEST_BYTES"]
 
 # --- Auth, i18n, static ---------------------------------------------------------------

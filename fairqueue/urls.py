@@ -3,8 +3,11 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from fairqueue.jobs.api import api
+
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/", api.urls),
     path("", include("dashboard.urls")),
     path("", include("django_prometheus.urls")),
 ]

@@ -103,10 +103,23 @@ class Tenant(models.Model):
         return self.slug
 
     def clean(self) -> None:
-        if self.max_concurrency is not None and self.floor > self.max_concurrency:
-            raise ValidationError({"floor": f"Floor ({self.floor}) is above the hard max ({self.max_concurrency})."})
+        errors: dict[str, list[str]] = {}
         if self.max_concurrency == 0:
-            raise ValidationError({"max_concurrency": "A hard max of 0 would block every job; deactivate instead."})
+            errors.setdefault("max_concurrency", []).append(
+                "A hard max of 0 would block every job; leave it empty for no max, or deactivate the tenant."
+            )
+        elif self.max_concurrency is not None and self.floor is not None and self.floor > self.max_concurrency:
+            errors.setdefault("floor", []).append(
+                f"Floor ({self.floor}) is above the hard max ({self.max_concurrency}); lower it or raise the max."
+            )
+        shard = self.shard if self.shard_id is not None else None
+        if shard is not None and self.floor is not None and self.floor > shard.capacity:
+            errors.setdefault("floor", []).append(
+                f"Floor ({self.floor}) is above the capacity of shard {shard.name} ({shard.capacity}); "
+                "that floor could never be guaranteed."
+            )
+        if errors:
+            raise ValidationError(errors)
 
     def rotate_api_key(self) -> str:
         """Give the tenant a new key and return it; only its hash is kept, so show it now."""
@@ -145,6 +158,17 @@ class SubTenant(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tenant.slug}/{self.external_id}"
+
+    def clean(self) -> None:
+        # The unique constraint catches this too; this says it in the operator's words.
+        if self.tenant_id is not None and self.external_id:
+            duplicate = SubTenant.objects.filter(tenant_id=self.tenant_id, external_id=self.external_id)
+            if self.pk is not None:
+                duplicate = duplicate.exclude(pk=self.pk)
+            if duplicate.exists():
+                raise ValidationError(
+                    {"external_id": f"Tenant {self.tenant.slug} already has a sub-tenant '{self.external_id}'."}
+                )
 
 
 class PoolSettings(models.Model):

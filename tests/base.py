@@ -37,17 +37,19 @@ def _guard_and_flush() -> None:
 
 
 class RedisTestMixin:
-    """Flushes the test Redis database before and after each test."""
+    """Flushes the test Redis database before each test's fixtures load and after it ends."""
 
     redis: redis.Redis
 
-    def setUp(self) -> None:
+    @classmethod
+    def _pre_setup(cls) -> None:
+        # Before fixtures: restoring serialized rows fires the policy-sync signals.
         _guard_and_flush()
-        self.redis = redis_client()
-        super().setUp()  # type: ignore[misc]
+        cls.redis = redis_client()
+        super()._pre_setup()  # type: ignore[misc]
 
-    def tearDown(self) -> None:
-        super().tearDown()  # type: ignore[misc]
+    def _post_teardown(self) -> None:
+        super()._post_teardown()  # type: ignore[misc]
         self.redis.flushdb()
 
 

@@ -1,0 +1,268 @@
+"""Sync and asyncio front ends of the throttle engine.
+
+Both build the same ``ops.Call`` objects (validation, encoding and decoding live in
+``ops``) and differ only in how they send them: one EVALSHA per operation, one pipelined
+round trip for ``admit_many`` and ``sweep``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+from redis.exceptions import NoScriptError
+
+from . import ops
+from .keys import key_name, validate_prefix
+from .results import (
+    Admission,
+    AdmitRequest,
+    CancelResult,
+    JobState,
+    KeysArg,
+    KeyState,
+    ReclaimResult,
+    ReleaseResult,
+    Woken,
+)
+from .scripts import evalsha_args, script
+
+T = TypeVar("T")
+
+
+class _Base:
+    """Builds calls; subclasses send them."""
+
+    def __init__(self, prefix: str = "fq") -> None:
+        validate_prefix(prefix)
+        self.prefix = prefix
+
+    def _admit(
+        self, tag: str, job_id: str, keys: KeysArg, priority: int, lease_seconds: float, data: str
+    ) -> ops.Call[Admission]:
+        return ops.admit(
+            self.prefix, tag=tag, job_id=job_id, keys=keys, priority=priority, lease_seconds=lease_seconds, data=data
+        )
+
+    def _admit_calls(self, items: Iterable[AdmitRequest]) -> list[ops.Call[Admission]]:
+        return [self._admit(i.tag, i.job_id, i.keys, i.priority, i.lease_seconds, i.data) for i in items]
+
+    def _sweep_calls(
+        self, tags: Iterable[str], max_jobs_per_tag: int
+    ) -> tuple[list[str], list[ops.Call[ReclaimResult]]]:
+        tag_list = list(dict.fromkeys(tags))
+        return tag_list, [ops.reclaim(self.prefix, tag=t, max_jobs=max_jobs_per_tag) for t in tag_list]
+
+    def _counts_args(self, tag: str, keys: Sequence[str]) -> tuple[str, list[str]]:
+        names = [ops._check_key_name(k) for k in keys]
+        return key_name(self.prefix, tag, "counts"), names
+
+    @staticmethod
+    def _counts_decode(names: Sequence[str], raw: Sequence[Any]) -> dict[str, int]:
+        return {n: int(v) if v is not None else 0 for n, v in zip(names, raw, strict=True)}
+
+
+class Engine(_Base):
+    """Blocking API (Celery workers, management commands). Thread-safe like its client."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "fq") -> None:
+        super().__init__(prefix)
+        self.client = client
+
+    def _run(self, call: ops.Call[T]) -> T:
+        args = evalsha_args(call.script, call.keys, call.args)
+        try:
+            raw = self.client.evalsha(*args)
+        except NoScriptError:
+            self.client.script_load(script(call.script).source)
+            raw = self.client.evalsha(*args)
+        return call.decode(raw)
+
+    def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
+        if not calls:
+            return []
+        pending = list(range(len(calls)))
+        raws: list[Any] = [None] * len(calls)
+        for _attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for i in pending:
+                pipe.evalsha(*evalsha_args(calls[i].script, calls[i].keys, calls[i].args))
+            results = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, r in zip(pending, results, strict=True):
+                if isinstance(r, NoScriptError):
+                    missing.append(i)
+                elif isinstance(r, Exception):
+                    raise r
+                else:
+                    raws[i] = r
+            if not missing:
+                break
+            for name in {calls[i].script for i in missing}:
+                self.client.script_load(script(name).source)
+            pending = missing
+        else:
+            raise NoScriptError("scripts could not be loaded")
+        return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
+
+    def admit(
+        self, *, tag: str, job_id: str, keys: KeysArg, priority: int = 0, lease_seconds: float, data: str = ""
+    ) -> Admission:
+        """Admit a job on all its keys, or park it on the first full one (one round trip)."""
+        return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data))
+
+    def admit_many(self, items: Iterable[AdmitRequest]) -> list[Admission]:
+        """Bulk submit: every admit pipelined in one round trip, each still atomic."""
+        return self._run_many(self._admit_calls(items))
+
+    def release(self, *, tag: str, job_id: str) -> ReleaseResult:
+        """Free the job's keys; the woken jobs returned must be dispatched by the caller."""
+        return self._run(ops.release(self.prefix, tag=tag, job_id=job_id))
+
+    def renew(self, *, tag: str, job_id: str, lease_seconds: float) -> bool:
+        """Heartbeat. False means the hold is gone (reclaimed, expired or never admitted)."""
+        return self._run(ops.renew(self.prefix, tag=tag, job_id=job_id, lease_seconds=lease_seconds))
+
+    def cancel(self, *, tag: str, job_id: str) -> CancelResult:
+        """Withdraw a parked job, handing on the keys it held while parked."""
+        return self._run(ops.cancel(self.prefix, tag=tag, job_id=job_id))
+
+    def reclaim(self, *, tag: str, max_jobs: int = 100) -> ReclaimResult:
+        """Release up to ``max_jobs`` jobs whose lease ran out; re-deliver the reclaimed."""
+        return self._run(ops.reclaim(self.prefix, tag=tag, max_jobs=max_jobs))
+
+    def sweep(self, tags: Iterable[str], max_jobs_per_tag: int = 100) -> dict[str, ReclaimResult]:
+        """Reclaim across many tags in one pipelined round trip."""
+        tag_list, calls = self._sweep_calls(tags, max_jobs_per_tag)
+        return dict(zip(tag_list, self._run_many(calls), strict=True))
+
+    def set_limits(self, *, tag: str, limits: KeysArg) -> list[Woken]:
+        """Store limits now (an operator change); a raised limit wakes waiters at once."""
+        return self._run(ops.set_limits(self.prefix, tag=tag, limits=limits))
+
+    def inspect_key(self, *, tag: str, key: str) -> KeyState:
+        """Limit, holders and waiters per priority of one key."""
+        return self._run(ops.inspect_key(self.prefix, tag=tag, key=key))
+
+    def inspect_job(self, *, tag: str, job_id: str) -> JobState:
+        """Status, held keys, parked key and position of one job."""
+        return self._run(ops.inspect_job(self.prefix, tag=tag, job_id=job_id))
+
+    def counts(self, *, tag: str, keys: Sequence[str]) -> dict[str, int]:
+        """Holders per key with one HMGET (cheap, for metrics)."""
+        name, names = self._counts_args(tag, keys)
+        if not names:
+            return {}
+        return self._counts_decode(names, self.client.hmget(name, names))
+
+    def check_invariants(self, *, tag: str) -> list[str]:
+        """O(state) audit of one tag's consistency; empty when sound. Tests and ops only."""
+        return self._run(ops.check_invariants(self.prefix, tag=tag))
+
+    def expire_now(self, *, tag: str, job_id: str) -> bool:
+        """Testing aid: make an admitted job's lease run out now (no sleeping)."""
+        return bool(self.client.zadd(key_name(self.prefix, tag, "leases"), {job_id: 0}, xx=True, ch=True))
+
+
+class AsyncEngine(_Base):
+    """asyncio API (ASGI views) over the same scripts and the same encoding."""
+
+    def __init__(self, client: redis.asyncio.Redis, prefix: str = "fq") -> None:
+        super().__init__(prefix)
+        self.client = client
+
+    async def _run(self, call: ops.Call[T]) -> T:
+        args = evalsha_args(call.script, call.keys, call.args)
+        try:
+            raw = await self.client.evalsha(*args)
+        except NoScriptError:
+            await self.client.script_load(script(call.script).source)
+            raw = await self.client.evalsha(*args)
+        return call.decode(raw)
+
+    async def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
+        if not calls:
+            return []
+        pending = list(range(len(calls)))
+        raws: list[Any] = [None] * len(calls)
+        for _attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for i in pending:
+                pipe.evalsha(*evalsha_args(calls[i].script, calls[i].keys, calls[i].args))
+            results = await pipe.execute(raise_on_error=False)
+            missing = []
+            for i, r in zip(pending, results, strict=True):
+                if isinstance(r, NoScriptError):
+                    missing.append(i)
+                elif isinstance(r, Exception):
+                    raise r
+                else:
+                    raws[i] = r
+            if not missing:
+                break
+            for name in {calls[i].script for i in missing}:
+                await self.client.script_load(script(name).source)
+            pending = missing
+        else:
+            raise NoScriptError("scripts could not be loaded")
+        return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
+
+    async def admit(
+        self, *, tag: str, job_id: str, keys: KeysArg, priority: int = 0, lease_seconds: float, data: str = ""
+    ) -> Admission:
+        """See ``Engine.admit``."""
+        return await self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data))
+
+    async def admit_many(self, items: Iterable[AdmitRequest]) -> list[Admission]:
+        """See ``Engine.admit_many``."""
+        return await self._run_many(self._admit_calls(items))
+
+    async def release(self, *, tag: str, job_id: str) -> ReleaseResult:
+        """See ``Engine.release``."""
+        return await self._run(ops.release(self.prefix, tag=tag, job_id=job_id))
+
+    async def renew(self, *, tag: str, job_id: str, lease_seconds: float) -> bool:
+        """See ``Engine.renew``."""
+        return await self._run(ops.renew(self.prefix, tag=tag, job_id=job_id, lease_seconds=lease_seconds))
+
+    async def cancel(self, *, tag: str, job_id: str) -> CancelResult:
+        """See ``Engine.cancel``."""
+        return await self._run(ops.cancel(self.prefix, tag=tag, job_id=job_id))
+
+    async def reclaim(self, *, tag: str, max_jobs: int = 100) -> ReclaimResult:
+        """See ``Engine.reclaim``."""
+        return await self._run(ops.reclaim(self.prefix, tag=tag, max_jobs=max_jobs))
+
+    async def sweep(self, tags: Iterable[str], max_jobs_per_tag: int = 100) -> dict[str, ReclaimResult]:
+        """See ``Engine.sweep``."""
+        tag_list, calls = self._sweep_calls(tags, max_jobs_per_tag)
+        return dict(zip(tag_list, await self._run_many(calls), strict=True))
+
+    async def set_limits(self, *, tag: str, limits: KeysArg) -> list[Woken]:
+        """See ``Engine.set_limits``."""
+        return await self._run(ops.set_limits(self.prefix, tag=tag, limits=limits))
+
+    async def inspect_key(self, *, tag: str, key: str) -> KeyState:
+        """See ``Engine.inspect_key``."""
+        return await self._run(ops.inspect_key(self.prefix, tag=tag, key=key))
+
+    async def inspect_job(self, *, tag: str, job_id: str) -> JobState:
+        """See ``Engine.inspect_job``."""
+        return await self._run(ops.inspect_job(self.prefix, tag=tag, job_id=job_id))
+
+    async def counts(self, *, tag: str, keys: Sequence[str]) -> dict[str, int]:
+        """See ``Engine.counts``."""
+        name, names = self._counts_args(tag, keys)
+        if not names:
+            return {}
+        return self._counts_decode(names, await self.client.hmget(name, names))
+
+    async def check_invariants(self, *, tag: str) -> list[str]:
+        """See ``Engine.check_invariants``."""
+        return await self._run(ops.check_invariants(self.prefix, tag=tag))
+
+    async def expire_now(self, *, tag: str, job_id: str) -> bool:
+        """See ``Engine.expire_now``."""
+        return bool(await self.client.zadd(key_name(self.prefix, tag, "leases"), {job_id: 0}, xx=True, ch=True))

@@ -1,0 +1,43 @@
+"""Redis key names of the engine.
+
+All state of one hash tag lives in a fixed set of keys named ``{prefix}:{tag}:<name>``
+with the tag in braces, so every key of every job under that tag hashes to one Redis
+Cluster slot and every script can receive the same small KEYS list, even when a release
+wakes jobs whose keys the caller could not know in advance.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+#: Order matters: the Lua scripts read KEYS[1..8] by position (see lua/_lib.lua).
+KEY_NAMES: tuple[str, ...] = ("jobs", "counts", "limits", "holds", "waits", "wcount", "leases", "seq")
+
+
+def validate_tag(tag: str) -> None:
+    """A tag must be a non-empty brace-free string, or the hash slot would not be shared."""
+    if not isinstance(tag, str) or not tag:
+        raise ValueError("tag must be a non-empty string")
+    if "{" in tag or "}" in tag:
+        raise ValueError(f"tag must not contain braces: {tag!r}")
+
+
+def validate_prefix(prefix: str) -> None:
+    """A prefix with braces would move the cluster hash tag away from the tag."""
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError("prefix must be a non-empty string")
+    if "{" in prefix or "}" in prefix:
+        raise ValueError(f"prefix must not contain braces: {prefix!r}")
+
+
+@lru_cache(maxsize=4096)
+def tag_keys(prefix: str, tag: str) -> tuple[str, ...]:
+    """The KEYS list every script of one tag receives, in KEY_NAMES order."""
+    validate_prefix(prefix)
+    validate_tag(tag)
+    return tuple(f"{prefix}:{{{tag}}}:{name}" for name in KEY_NAMES)
+
+
+def key_name(prefix: str, tag: str, name: str) -> str:
+    """One of the per-tag keys by its short name (for direct reads and tests)."""
+    return tag_keys(prefix, tag)[KEY_NAMES.index(name)]

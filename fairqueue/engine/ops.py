@@ -1,0 +1,217 @@
+"""Argument validation/encoding and result decoding shared by Engine and AsyncEngine.
+
+Each builder returns a ``Call``: which script, with which KEYS and ARGV, and how to turn
+the raw reply into a result. The sync and async engines only differ in how they send it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .keys import tag_keys
+from .results import (
+    Admission,
+    CancelResult,
+    JobState,
+    KeyLimit,
+    KeysArg,
+    KeyState,
+    ReclaimResult,
+    ReleaseResult,
+    Woken,
+)
+
+T = TypeVar("T")
+
+MAX_PRIORITY = 250
+#: Expired leases reclaimed inline by admit/release/cancel (the sweep does the rest).
+INLINE_RECLAIM = 8
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One script invocation and the decoder of its reply."""
+
+    script: str
+    keys: tuple[str, ...]
+    args: tuple[str | int, ...]
+    decode: Callable[[Any], T]
+
+
+def text(value: Any) -> str:
+    """Replies are bytes unless the client decodes responses."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _woken(flat: list[Any]) -> list[Woken]:
+    return [Woken(text(flat[i]), text(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _check_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not job_id:
+        raise ValueError("job_id must be a non-empty string")
+    return job_id
+
+
+def _check_key_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"key names must be non-empty strings, got {name!r}")
+    if "\0" in name or "\1" in name:
+        raise ValueError(f"key names must not contain \\0 or \\1: {name!r}")
+    return name
+
+
+def lease_ms(lease_seconds: float) -> int:
+    """Leases travel in milliseconds (Redis TIME resolution we use)."""
+    if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float) or not lease_seconds > 0:
+        raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
+    return max(1, round(lease_seconds * 1000))
+
+
+def key_limits(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int]]:
+    """Validated (key, limit) pairs in canonical (sorted) order.
+
+    Sorting here gives every job the same key order, which is what rules out deadlock;
+    the scripts trust it."""
+    items: Iterable[Any] = keys.items() if isinstance(keys, Mapping) else keys
+    pairs: list[tuple[str, int]] = []
+    for item in items:
+        name, limit = (item.name, item.limit) if isinstance(item, KeyLimit) else item
+        pairs.append((_check_key_name(name), _check_int(f"limit of {name!r}", limit, 0)))
+    if not pairs and not allow_empty:
+        raise ValueError("a job needs at least one key")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate keys: {sorted(names)}")
+    pairs.sort()
+    return pairs
+
+
+def _flatten(pairs: list[tuple[str, int]]) -> list[str | int]:
+    flat: list[str | int] = []
+    for name, limit in pairs:
+        flat += [name, limit]
+    return flat
+
+
+def admit(
+    prefix: str, *, tag: str, job_id: str, keys: KeysArg, priority: int, lease_seconds: float, data: str
+) -> Call[Admission]:
+    """Encode an admit (see lua/admit_job.lua)."""
+    _check_job_id(job_id)
+    _check_int("priority", priority, 0, MAX_PRIORITY)
+    if not isinstance(data, str):
+        raise ValueError("data must be a string")
+    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, *_flatten(key_limits(keys)))
+
+    def decode(r: list[Any]) -> Admission:
+        admitted = bool(r[0])
+        return Admission(
+            job_id=job_id,
+            admitted=admitted,
+            parked_on=None if admitted else text(r[1]),
+            position=None if admitted else int(r[2]),
+            woken=_woken(r[3]),
+            reclaimed=_woken(r[4]),
+            duplicate=bool(r[5]),
+        )
+
+    return Call("admit_job", tag_keys(prefix, tag), args, decode)
+
+
+def release(prefix: str, *, tag: str, job_id: str) -> Call[ReleaseResult]:
+    """Encode a release (see lua/release_job.lua)."""
+    _check_job_id(job_id)
+    return Call(
+        "release_job",
+        tag_keys(prefix, tag),
+        (job_id,),
+        lambda r: ReleaseResult(bool(r[0]), _woken(r[1]), _woken(r[2])),
+    )
+
+
+def cancel(prefix: str, *, tag: str, job_id: str) -> Call[CancelResult]:
+    """Encode a cancel (see lua/cancel_job.lua)."""
+    _check_job_id(job_id)
+    return Call(
+        "cancel_job",
+        tag_keys(prefix, tag),
+        (job_id,),
+        lambda r: CancelResult(bool(r[0]), _woken(r[1]), _woken(r[2])),
+    )
+
+
+def renew(prefix: str, *, tag: str, job_id: str, lease_seconds: float) -> Call[bool]:
+    """Encode a lease renewal (see lua/renew_lease.lua)."""
+    _check_job_id(job_id)
+    return Call("renew_lease", tag_keys(prefix, tag), (job_id, lease_ms(lease_seconds)), lambda r: bool(r))
+
+
+def reclaim(prefix: str, *, tag: str, max_jobs: int) -> Call[ReclaimResult]:
+    """Encode a bounded reclaim of expired leases (see lua/reclaim_leases.lua)."""
+    _check_int("max_jobs", max_jobs, 1)
+    return Call(
+        "reclaim_leases",
+        tag_keys(prefix, tag),
+        (max_jobs,),
+        lambda r: ReclaimResult(_woken(r[0]), _woken(r[1])),
+    )
+
+
+def set_limits(prefix: str, *, tag: str, limits: KeysArg) -> Call[list[Woken]]:
+    """Encode a limit change (see lua/set_limits.lua)."""
+    args = tuple(_flatten(key_limits(limits, allow_empty=True)))
+    return Call("set_limits", tag_keys(prefix, tag), args, _woken)
+
+
+def inspect_key(prefix: str, *, tag: str, key: str) -> Call[KeyState]:
+    """Encode a key inspection (see lua/inspect_key.lua)."""
+    _check_key_name(key)
+
+    def decode(r: list[Any]) -> KeyState:
+        flat = r[2]
+        by_prio = {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        limit = int(r[0])
+        return KeyState(key, None if limit < 0 else limit, [text(h) for h in r[1]], by_prio, int(r[3]))
+
+    return Call("inspect_key", tag_keys(prefix, tag), (key,), decode)
+
+
+def inspect_job(prefix: str, *, tag: str, job_id: str) -> Call[JobState]:
+    """Encode a job inspection (see lua/inspect_job.lua)."""
+    _check_job_id(job_id)
+
+    def decode(r: list[Any]) -> JobState:
+        status = {"r": "admitted", "w": "parked"}.get(text(r[0]), "unknown")
+        if status == "unknown":
+            return JobState(job_id, status, [], None, None, None, None, None)
+        parked = status == "parked"
+        lease = int(r[4])
+        return JobState(
+            job_id=job_id,
+            status=status,
+            held_keys=[text(k) for k in r[1]],
+            parked_on=text(r[2]) if parked else None,
+            position=int(r[3]) if parked else None,
+            lease_expires_ms=None if lease < 0 else lease,
+            priority=int(r[5]),
+            data=text(r[6]),
+        )
+
+    return Call("inspect_job", tag_keys(prefix, tag), (job_id,), decode)
+
+
+def check_invariants(prefix: str, *, tag: str) -> Call[list[str]]:
+    """Encode the O(state) consistency audit (see lua/check_invariants.lua)."""
+    return Call("check_invariants", tag_keys(prefix, tag), (), lambda r: [text(p) for p in r])

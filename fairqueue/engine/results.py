@@ -1,0 +1,111 @@
+"""Typed arguments and results of engine operations (plain dataclasses, no Redis types)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KeyLimit:
+    """A key a job needs and the limit its caller computed for it, for this call."""
+
+    name: str
+    limit: int
+
+
+#: Keys of a job with their limits: ``{"t:1": 5}`` or ``[KeyLimit("t:1", 5)]`` or ``[("t:1", 5)]``.
+KeysArg = Mapping[str, int] | Iterable[KeyLimit | tuple[str, int]]
+
+
+@dataclass(frozen=True)
+class Woken:
+    """A job that now holds every key it needs: the caller must dispatch it (or, for a
+    reclaimed job, re-deliver it). ``data`` is the opaque string given at admit."""
+
+    job_id: str
+    data: str
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Outcome of an admit. ``parked_on``/``position`` (1-based) are set when parked;
+    ``duplicate`` means the job was already known and its current state is reported."""
+
+    job_id: str
+    admitted: bool
+    parked_on: str | None
+    position: int | None
+    woken: list[Woken] = field(default_factory=list)
+    reclaimed: list[Woken] = field(default_factory=list)
+    duplicate: bool = False
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """Outcome of a release: ``found`` is False for an unknown job (already released or
+    reclaimed). ``woken`` jobs were admitted by this call and must be dispatched."""
+
+    found: bool
+    woken: list[Woken] = field(default_factory=list)
+    reclaimed: list[Woken] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """Outcome of a cancel: only a parked job can be cancelled."""
+
+    cancelled: bool
+    woken: list[Woken] = field(default_factory=list)
+    reclaimed: list[Woken] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReclaimResult:
+    """Jobs whose lease ran out (to re-deliver) and the jobs their slots went to."""
+
+    reclaimed: list[Woken] = field(default_factory=list)
+    woken: list[Woken] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KeyState:
+    """A key as dashboards see it. ``limit`` is None if no caller ever passed one;
+    ``waiters_by_priority`` maps priority -> parked count (highest first)."""
+
+    key: str
+    limit: int | None
+    holders: list[str]
+    waiters_by_priority: dict[int, int]
+    waiting: int
+
+    @property
+    def held(self) -> int:
+        """Number of holders."""
+        return len(self.holders)
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job as the engine knows it. ``status`` is "admitted", "parked" or "unknown"."""
+
+    job_id: str
+    status: str
+    held_keys: list[str]
+    parked_on: str | None
+    position: int | None
+    lease_expires_ms: int | None
+    priority: int | None
+    data: str | None
+
+
+@dataclass(frozen=True)
+class AdmitRequest:
+    """One admit of a bulk ``admit_many``; same fields as ``admit``'s keywords."""
+
+    tag: str
+    job_id: str
+    keys: KeysArg
+    lease_seconds: float
+    priority: int = 0
+    data: str = ""

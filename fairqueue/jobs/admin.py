@@ -1,0 +1,63 @@
+"""Jobs in the admin: find any job by tenant, status or failure reason; retry failed ones."""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.db.models import F, QuerySet
+from django.http import HttpRequest
+
+from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = (
+        "id",
+        "tenant",
+        "task",
+        "status",
+        "latency_class",
+        "batch",
+        "sub_tenant",
+        "attempts",
+        "worker_losses",
+        "error_reason",
+        "submitted_at",
+        "started_at",
+        "finished_at",
+    )
+    list_filter = ("status", "error_reason", "latency_class", "batch", "tenant")
+    search_fields = ("id", "idempotency_key", "sub_tenant", "task")
+    date_hierarchy = "submitted_at"
+    list_select_related = ("tenant",)
+    readonly_fields = [f.name for f in Job._meta.fields]
+    actions = ["retry_jobs"]
+    show_full_result_count = False
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # jobs enter through the API, where they are validated and admitted
+
+    @admin.action(description="Retry selected failed jobs")
+    def retry_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        from fairqueue.jobs.services import jobs_admit
+
+        failed = list(queryset.filter(status=JobStatus.FAILED).values_list("id", flat=True))
+        Job.objects.filter(id__in=failed, status=JobStatus.FAILED).update(
+            status=JobStatus.QUEUED,
+            generation=F("generation") + 1,
+            worker_losses=0,
+            error="",
+            error_reason="",
+            admitted_at=None,
+            started_at=None,
+            finished_at=None,
+        )
+        jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")))
+        self.message_user(request, f"Re-queued {len(failed)} failed job(s).", messages.SUCCESS)
+
+
+@admin.register(LedgerEntry)
+class LedgerEntryAdmin(admin.ModelAdmin):
+    list_display = ("job_id", "task", "writes", "written_at")
+    list_filter = ("task",)
+    readonly_fields = ("job_id", "task", "writes", "written_at")

@@ -1,0 +1,115 @@
+"""Turns policy into the engine's vocabulary: a hash tag, keys with limits, a priority.
+
+This is the one place that knows which keys a job needs. The engine below it only
+sees names and numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fairqueue.engine import KeyLimit
+from tenants.limits import LimitBreakdown, tenant_limit
+from tenants.policy import PolicySnapshot, TenantPolicy
+
+SHARD_KEY = "shard"
+BATCH_KEY = "batch"  # per shard: capacity that would otherwise sit idle
+BATCH_PRIORITY = 0
+
+
+def shard_tag(shard: str) -> str:
+    """All keys of one tenant share its shard's hash slot (Redis Cluster)."""
+    return f"s:{shard}"
+
+
+def tenant_key(slug: str) -> str:
+    return f"t:{slug}"
+
+
+def sub_tenant_key(slug: str, external_id: str) -> str:
+    return f"st:{slug}:{external_id}"
+
+
+@dataclass(frozen=True)
+class LiveSignals:
+    """Live inputs to the limit formula; defaults mean 'nothing known yet'."""
+
+    rate_per_min: float = 0.0
+    mean_seconds: float | None = None
+    pool_slots: int = 0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    tag: str
+    keys: list[KeyLimit]
+    priority: int
+    tenant_limit: LimitBreakdown
+    sub_tenant_cap: int | None
+
+
+def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: LiveSignals) -> LimitBreakdown:
+    pool = policy.pool
+    return tenant_limit(
+        floor=tenant.floor,
+        burst_floor=tenant.burst_floor,
+        burst_pct=tenant.burst_pct,
+        max_concurrency=tenant.max_concurrency,
+        dedicated=tenant.dedicated,
+        rate_per_min=signals.rate_per_min,
+        mean_seconds=signals.mean_seconds if signals.mean_seconds is not None else pool.default_job_seconds,
+        pool_slots=signals.pool_slots,
+        target_utilisation=pool.target_utilisation,
+        in_flight=signals.in_flight,
+        f_min=pool.f_min,
+        f_max=pool.f_max,
+    )
+
+
+def sub_tenant_cap(policy: PolicySnapshot, tenant: TenantPolicy, external_id: str, limit: int) -> int:
+    """A registered sub-tenant's own cap, else the tenant's default share of its limit."""
+    registered = policy.subtenants.get(tenant.slug, {}).get(external_id)
+    if registered is not None:
+        return registered
+    return max(1, math.floor(limit * tenant.sub_tenant_share))
+
+
+def batch_limits(
+    *, pool_slots: int, target_utilisation: float, in_flight: int, batch_by_shard: dict[str, int]
+) -> dict[str, int]:
+    """Per-shard batch key limits: together at most the idle part of the pool target.
+
+    Each shard keeps the batch jobs it already runs (no eviction) plus the fleet's idle room.
+    """
+    idle = max(0, math.floor(pool_slots * target_utilisation + 1e-9) - in_flight - sum(batch_by_shard.values()))
+    return {shard: running + idle for shard, running in batch_by_shard.items()}
+
+
+def admission_plan(
+    *,
+    policy: PolicySnapshot,
+    tenant: TenantPolicy,
+    sub_tenant: str,
+    priority: int,
+    signals: LiveSignals,
+    batch: bool = False,
+    batch_limit: int = 0,
+) -> AdmissionPlan:
+    """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
+    key: it runs only on idle capacity and must not eat into the tenant's interactive limit."""
+    breakdown = tenant_limit_for(policy, tenant, signals)
+    shard = policy.shards[tenant.shard]
+    if batch:
+        keys = [KeyLimit(BATCH_KEY, batch_limit), KeyLimit(SHARD_KEY, shard.capacity)]
+        priority = BATCH_PRIORITY
+    else:
+        keys = [KeyLimit(tenant_key(tenant.slug), breakdown.limit), KeyLimit(SHARD_KEY, shard.capacity)]
+    cap = None
+    if sub_tenant:
+        cap = sub_tenant_cap(policy, tenant, sub_tenant, breakdown.limit)
+        keys.append(KeyLimit(sub_tenant_key(tenant.slug, sub_tenant), cap))
+    return AdmissionPlan(
+        tag=shard_tag(tenant.shard), keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap
+    )

@@ -1,0 +1,234 @@
+"""The customer REST API, /api/v1/ (django-ninja). Views validate, call a service, shape JSON."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, Literal
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from ninja import Field, NinjaAPI, Query, Schema
+from ninja.errors import AuthenticationError, HttpError
+from ninja.errors import ValidationError as NinjaValidationError
+from ninja.security import HttpBearer
+from pydantic import ConfigDict
+
+from fairqueue.jobs import selectors
+from fairqueue.jobs.services import IDEMPOTENCY_MAX, JobError, JobRequest, job_cancel, job_submit, job_submit_bulk
+from tenants.models import Tenant
+from tenants.selectors import tenant_authenticate
+
+BULK_MAX = 1000
+
+
+class TenantKeyAuth(HttpBearer):
+    """Bearer API key -> the Tenant; an inactive tenant is refused with 403."""
+
+    def authenticate(self, request: HttpRequest, token: str) -> Tenant | None:
+        tenant = tenant_authenticate(raw_key=token)
+        if tenant is not None and not tenant.active:
+            raise JobError(403, "tenant_inactive", "This tenant is deactivated.")
+        return tenant
+
+
+api = NinjaAPI(
+    title="FairQueue API",
+    version="1",
+    urls_namespace="api-v1",
+    openapi_url="/openapi.json",
+    docs_url="/docs",
+    auth=TenantKeyAuth(),
+)
+
+
+# --- error shape: {"error": {"code", "message", "field"}} ----------------------------------
+
+
+class ErrorBody(Schema):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorOut(Schema):
+    error: ErrorBody
+
+
+def error_response(
+    request: HttpRequest, status: int, code: str, message: str, field: str | None = None
+) -> HttpResponse:
+    return api.create_response(request, {"error": {"code": code, "message": message, "field": field}}, status=status)
+
+
+@api.exception_handler(JobError)
+def _job_error(request: HttpRequest, exc: JobError) -> HttpResponse:
+    return error_response(request, exc.status, exc.code, exc.message, exc.field)
+
+
+@api.exception_handler(AuthenticationError)
+def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    response = error_response(request, 401, "unauthorized", "Missing or invalid API key (Authorization: Bearer <key>).")
+    response["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@api.exception_handler(NinjaValidationError)
+def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    first: dict[str, Any] = exc.errors[0] if exc.errors else {}
+    loc = [str(p) for p in first.get("loc", []) if p not in ("body", "payload", "query")]
+    field = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return error_response(request, 400, "invalid_json", "The request body is not valid JSON.")
+    return error_response(request, 400, "invalid_request", f"{field or 'body'}: {first.get('msg', 'invalid')}.", field)
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return error_response(request, 413, "payload_too_large", "The request body is larger than the size cap.")
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    return error_response(request, exc.status_code, "http_error", str(exc))
+
+
+# --- schemas -----------------------------------------------------------------------------------
+
+
+class JobIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(..., min_length=1, max_length=100)
+    args: dict[str, Any] = Field(default_factory=dict)
+    sub_tenant: str | None = Field(None, max_length=200)
+    priority: str | None = Field(None, max_length=32, description="Latency class name.")
+    batch: bool = False
+    idempotency_key: str | None = Field(None, min_length=1, max_length=IDEMPOTENCY_MAX)
+
+    def to_request(self) -> JobRequest:
+        return JobRequest(
+            task=self.task,
+            args=self.args,
+            sub_tenant=self.sub_tenant,
+            priority=self.priority,
+            batch=self.batch,
+            idempotency_key=self.idempotency_key,
+        )
+
+
+class BulkIn(Schema):
+    model_config = ConfigDict(extra="forbid")
+
+    jobs: list[JobIn] = Field(..., min_length=1, max_length=BULK_MAX)
+
+
+class WaitingOn(Schema):
+    key: str
+    limit: int | None
+    holders: int
+    position: int | None
+
+
+class JobOut(Schema):
+    id: uuid.UUID
+    status: str
+    task: str
+    priority: str
+    batch: bool
+    sub_tenant: str | None
+    idempotency_key: str | None
+    attempts: int
+    submitted_at: datetime
+    admitted_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    result: Any = None
+    error: str | None
+    waiting_on: WaitingOn | None = None
+
+
+class JobListOut(Schema):
+    items: list[JobOut]
+    count: int
+    limit: int
+    offset: int
+    next_offset: int | None
+
+
+class PoolOut(Schema):
+    slots: int
+    target: float
+    in_flight: int
+    batch_in_flight: int
+
+
+class LimitsOut(Schema):
+    tenant: str
+    shard: str
+    floor: int
+    base: int
+    ceiling: float
+    pressure_factor: float
+    hard_max: int | None
+    dedicated: int
+    limit: int
+    in_flight: int
+    parked: int
+    parked_by_priority: dict[str, int]
+    rate_per_min: float
+    mean_job_seconds: float
+    pool: PoolOut
+
+
+# --- endpoints ----------------------------------------------------------------------------------
+
+
+def _tenant(request: HttpRequest) -> Tenant:
+    return request.auth  # type: ignore[attr-defined,no-any-return]
+
+
+@api.post("/jobs", response={200: JobOut, 202: JobOut, 400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 413: ErrorOut})
+def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
+    """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
+    result = job_submit(tenant=_tenant(request), req=payload.to_request())
+    return (202 if result.created else 200), selectors.job_to_dict(result.job)
+
+
+@api.post("/jobs/bulk", response={202: list[JobOut], 400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 413: ErrorOut})
+def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> tuple[int, list[dict[str, Any]]]:
+    """Submit up to 1,000 jobs at once; all are validated before any is written."""
+    results = job_submit_bulk(tenant=_tenant(request), reqs=[j.to_request() for j in payload.jobs])
+    return 202, [selectors.job_to_dict(r.job) for r in results]
+
+
+@api.get("/jobs", response={200: JobListOut, 400: ErrorOut, 401: ErrorOut, 403: ErrorOut})
+def list_jobs(
+    request: HttpRequest,
+    status: Literal["queued", "parked", "running", "succeeded", "failed", "cancelled"] | None = None,
+    limit: int = Query(50, ge=1, le=500),
+    offset: int = Query(0, ge=0, le=10_000_000),
+) -> dict[str, Any]:
+    """The calling tenant's jobs, newest first."""
+    return selectors.job_list(tenant=_tenant(request), status=status, limit=limit, offset=offset)
+
+
+@api.get("/limits", response={200: LimitsOut, 401: ErrorOut, 403: ErrorOut, 503: ErrorOut})
+def get_limits(request: HttpRequest) -> dict[str, Any]:
+    """The calling tenant's limit, term by term (floor, base, ceiling, pressure), and its load."""
+    return selectors.tenant_limits_explain(tenant=_tenant(request))
+
+
+@api.get("/jobs/{job_id}", response={200: JobOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut})
+def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
+    return selectors.job_to_dict(job, explain=True)
+
+
+@api.post("/jobs/{job_id}/cancel", response={200: JobOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut})
+def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
+    return selectors.job_to_dict(job_cancel(job=job))
+
+
+__all__ = ["api"]

@@ -1,0 +1,67 @@
+"""Demo tasks: a sleep and a simulated document parse. Both write a ledger entry once."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from pydantic import BaseModel, ConfigDict, Field
+
+from fairqueue.jobs.models import LedgerEntry
+from fairqueue.jobs.registry import JobContext, fairqueue_task
+
+
+class SleepArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    seconds: float = Field(ge=0, le=3600)
+    echo: Any = None
+
+
+class ParseArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pages: int = Field(ge=1, le=10_000)
+    io_ms_per_page: float = Field(default=20.0, ge=0, le=10_000)
+
+
+def ledger_write(ctx: JobContext, task: str) -> None:
+    """Record the job's side effect; a re-run (after a worker died) does not write twice."""
+    try:
+        with transaction.atomic():
+            LedgerEntry.objects.create(job_id=ctx.job_id, task=task)
+    except IntegrityError:
+        # Already written by an earlier attempt: count it so duplicates are visible, never hidden.
+        LedgerEntry.objects.filter(job_id=ctx.job_id).update(writes=F("writes") + 1)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@fairqueue_task("demo.sleep", args=SleepArgs)
+def demo_sleep(ctx: JobContext, args: SleepArgs) -> dict[str, Any]:
+    started = _now()
+    time.sleep(args.seconds)
+    ledger_write(ctx, "demo.sleep")
+    result: dict[str, Any] = {"started": started, "finished": _now(), "worker": ctx.worker}
+    if args.echo is not None:
+        result["echo"] = args.echo
+    return result
+
+
+@fairqueue_task("demo.parse", args=ParseArgs)
+def demo_parse(ctx: JobContext, args: ParseArgs) -> dict[str, Any]:
+    started = _now()
+    digest = hashlib.sha256()
+    words = 0
+    for page in range(args.pages):
+        time.sleep(args.io_ms_per_page / 1000)  # fetching the page
+        text = (f"page {page} of job {ctx.job_id} " * 200).encode()
+        for _ in range(20):  # tokenising and hashing: real CPU work
+            digest.update(text)
+        words += len(text.split())
+    ledger_write(ctx, "demo.parse")
+    return {"started": started, "finished": _now(), "worker": ctx.worker, "words": words, "digest": digest.hexdigest()}

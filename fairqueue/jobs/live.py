@@ -1,0 +1,221 @@
+"""Live signals for the limit formula: submission rate, mean duration, fleet size, in-flight.
+
+Hot-path cost is bounded: a tenant's signals are cached per process for
+SIGNAL_TTL_SECONDS; refreshing them is one pipelined round trip of fixed size (its rate
+ring, its mean, and the submissions counted locally since the last refresh). The fleet
+state is cached the same way and read off the worker registry and the engine's counters,
+never fetched inline per job.
+
+R (submissions per minute) is the *median* per-interval count over the rate window, so a
+tenant that submits steadily earns a higher base than one that sent the same number of
+jobs in a single burst: the floor is earned by behaviour, not by spikes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fairqueue.jobs.admission import LiveSignals
+from fairqueue.jobs.runtime import engine, redis_client
+
+SIGNAL_TTL_SECONDS = 1.0
+FLEET_TTL_SECONDS = 1.0
+RING_BUCKETS = 10
+MEAN_ALPHA = 0.2
+MEAN_TTL_SECONDS = 24 * 3600
+
+_MEAN_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "update_mean.lua").read_text()
+_mean_script = None
+
+
+def _update_mean(key: str, seconds: float) -> None:
+    global _mean_script
+    if _mean_script is None:
+        _mean_script = redis_client().register_script(_MEAN_SOURCE)
+    _mean_script(keys=[key], args=[f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS])
+
+
+def rate_key(slug: str) -> str:
+    return f"fq:rate:{slug}"
+
+
+def mean_key(slug: str) -> str:
+    return f"fq:mean:{slug}"
+
+
+def _bucket_seconds(window_seconds: int) -> float:
+    return max(window_seconds / RING_BUCKETS, 1.0)
+
+
+def rate_from_ring(counts: list[int], *, window_seconds: int) -> float:
+    """Submissions per minute: the median bucket, scaled to a minute."""
+    if not counts:
+        return 0.0
+    return statistics.median(counts) * 60.0 / _bucket_seconds(window_seconds)
+
+
+@dataclass
+class _TenantCache:
+    signals: LiveSignals = field(default_factory=LiveSignals)
+    fetched_at: float = 0.0
+    pending: int = 0
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """Fleet-wide numbers, as of `at` (monotonic)."""
+
+    slots: int = 0
+    busy: int = 0
+    busy_batch: int = 0
+    workers: int = 0
+    in_flight: int = 0  # non-batch jobs holding their slots across all shards
+    batch_in_flight: int = 0
+    batch_by_shard: dict[str, int] = field(default_factory=dict)
+    at: float = 0.0
+
+    @property
+    def pool_target(self) -> float:
+        from tenants.policy import policy_snapshot
+
+        return self.slots * policy_snapshot().pool.target_utilisation
+
+    def batch_limit(self, shard: str) -> int:
+        from fairqueue.jobs.admission import batch_limits
+        from tenants.policy import policy_snapshot
+
+        by_shard = dict(self.batch_by_shard)
+        by_shard.setdefault(shard, 0)
+        limits = batch_limits(
+            pool_slots=self.slots,
+            target_utilisation=policy_snapshot().pool.target_utilisation,
+            in_flight=self.in_flight,
+            batch_by_shard=by_shard,
+        )
+        return limits[shard]
+
+
+_lock = threading.Lock()
+_tenants: dict[str, _TenantCache] = {}
+_fleet = FleetState()
+
+
+def _window() -> int:
+    from tenants.policy import policy_snapshot
+
+    return policy_snapshot().pool.rate_window_seconds
+
+
+def record_submissions(*, tenant_slug: str, count: int, now: float | None = None) -> None:
+    """Count submissions locally; they reach the ring with the tenant's next refresh.
+
+    With `now` (tests), the count is written to the ring at once for that instant.
+    """
+    if now is not None:
+        _ring_add(tenant_slug, count, now)
+        return
+    with _lock:
+        _tenants.setdefault(tenant_slug, _TenantCache()).pending += count
+
+
+def _ring_add(slug: str, count: int, now: float) -> None:
+    window = _window()
+    bucket = int(now // _bucket_seconds(window))
+    pipe = redis_client().pipeline(transaction=False)
+    pipe.hincrby(rate_key(slug), str(bucket), count)
+    pipe.hdel(rate_key(slug), *[str(bucket - RING_BUCKETS - i) for i in range(1, 4)])
+    pipe.expire(rate_key(slug), window * 2 + 60)
+    pipe.execute()
+
+
+def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[float, float | None]:
+    """Fresh (rate per minute, mean seconds) for one tenant: one fixed-size round trip."""
+    with _lock:
+        entry = _tenants.setdefault(tenant_slug, _TenantCache())
+        pending, entry.pending = entry.pending, 0
+    window = _window()
+    now = time.time() if now is None else now
+    size = _bucket_seconds(window)
+    current = int(now // size)
+    # Complete intervals only: the current one would read low for most of its life.
+    fields = [str(current - i) for i in range(1, RING_BUCKETS + 1)]
+    pipe = redis_client().pipeline(transaction=False)
+    if pending:
+        pipe.hincrby(rate_key(tenant_slug), str(current), pending)
+        pipe.expire(rate_key(tenant_slug), window * 2 + 60)
+    pipe.hmget(rate_key(tenant_slug), fields)
+    pipe.get(mean_key(tenant_slug))
+    *_, ring, mean = pipe.execute()
+    counts = [int(c or 0) for c in ring]
+    return rate_from_ring(counts, window_seconds=window), (float(mean) if mean else None)
+
+
+def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
+    """Fold a finished job's duration into the tenant's exponentially weighted mean."""
+    if batch:
+        return  # batch work says nothing about the tenant's interactive load
+    _update_mean(mean_key(tenant_slug), seconds)
+
+
+def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
+    """The cached fleet state; refreshed at most once per `max_age` per process."""
+    global _fleet
+    now = time.monotonic()
+    if now - _fleet.at < max_age:
+        return _fleet
+    from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag
+    from fairqueue.jobs.worker import fleet_read
+    from tenants.policy import policy_snapshot
+
+    fleet = fleet_read()
+    in_flight = 0
+    batch_by_shard: dict[str, int] = {}
+    for shard in policy_snapshot().shards:
+        counts = engine().counts(tag=shard_tag(shard), keys=[SHARD_KEY, BATCH_KEY])
+        batch_by_shard[shard] = counts.get(BATCH_KEY, 0)
+        in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0)
+    batch = sum(batch_by_shard.values())
+    _fleet = FleetState(
+        slots=fleet["slots"],
+        busy=fleet["busy"],
+        busy_batch=fleet["busy_batch"],
+        workers=fleet["workers"],
+        in_flight=max(in_flight, 0),
+        batch_in_flight=batch,
+        batch_by_shard=batch_by_shard,
+        at=now,
+    )
+    return _fleet
+
+
+def live_signals(*, tenant_slug: str) -> LiveSignals:
+    """Signals for one admission: cached for SIGNAL_TTL_SECONDS, else one small read."""
+    now = time.monotonic()
+    with _lock:
+        entry = _tenants.setdefault(tenant_slug, _TenantCache())
+        fresh = now - entry.fetched_at < SIGNAL_TTL_SECONDS
+    fleet = fleet_state()
+    if not fresh:
+        rate, mean = tenant_signals_read(tenant_slug=tenant_slug)
+        with _lock:
+            entry.signals = LiveSignals(rate_per_min=rate, mean_seconds=mean)
+            entry.fetched_at = now
+    base = entry.signals
+    return LiveSignals(
+        rate_per_min=base.rate_per_min,
+        mean_seconds=base.mean_seconds,
+        pool_slots=fleet.slots,
+        in_flight=fleet.in_flight,
+    )
+
+
+def live_invalidate() -> None:
+    """Forget cached signals (tests; a changed policy)."""
+    global _fleet
+    with _lock:
+        _tenants.clear()
+    _fleet = FleetState()

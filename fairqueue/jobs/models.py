@@ -1,0 +1,84 @@
+"""The durable job record: the database is the truth, Redis only scheduling state."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+
+
+class JobStatus(models.TextChoices):
+    QUEUED = "queued", "Queued"  # accepted; admitted and waiting for a worker, or not yet admitted
+    PARKED = "parked", "Parked"  # waiting for a slot on one of its throttle keys
+    RUNNING = "running", "Running"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
+WAITING_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED})
+
+
+class Job(models.Model):
+    """One submitted job. `generation` changes on every re-delivery, so stale messages lose."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="jobs")
+    sub_tenant = models.CharField(max_length=200, blank=True, default="")
+    task = models.CharField(max_length=100)
+    args = models.JSONField(default=dict, blank=True)
+    args_ref = models.CharField(max_length=300, blank=True, default="", help_text="Payload store reference.")
+    latency_class = models.CharField(max_length=32)
+    priority = models.PositiveSmallIntegerField(default=0)
+    batch = models.BooleanField(default=False)
+    promoted_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a batch job was promoted to normal admission to meet its objective."
+    )
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
+    attempts = models.PositiveIntegerField(default=0, help_text="Times a worker started this job.")
+    worker_losses = models.PositiveIntegerField(default=0, help_text="Times a worker died under this job.")
+    generation = models.PositiveIntegerField(default=0)
+    worker = models.CharField(max_length=200, blank=True, default="")
+    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    admitted_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    result_ref = models.CharField(max_length=300, blank=True, default="")
+    error = models.TextField(blank=True, default="")
+    error_reason = models.CharField(max_length=32, blank=True, default="", db_index=True)
+
+    class Meta:
+        ordering = ["-submitted_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"],
+                condition=models.Q(idempotency_key__isnull=False),
+                name="unique_idempotency_key_per_tenant",
+            ),
+        ]
+        indexes = [models.Index(fields=["tenant", "status", "submitted_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.task} {self.id}"
+
+    @property
+    def in_batch_lane(self) -> bool:
+        """Batch jobs wait for idle capacity until promoted."""
+        return self.batch and self.promoted_at is None
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's name for this delivery: a re-delivered job is a new holder."""
+        return f"{self.id}.{self.generation}"
+
+
+class LedgerEntry(models.Model):
+    """Side effects of the demo tasks, keyed by job: proves each job's effect happened once."""
+
+    job_id = models.UUIDField(primary_key=True)
+    task = models.CharField(max_length=100)
+    written_at = models.DateTimeField(auto_now_add=True)
+    writes = models.PositiveIntegerField(default=1)

@@ -1,0 +1,119 @@
+"""Reads on the jobs side. Every read is scoped to one tenant: another's job is a 404."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fairqueue.jobs import payloads
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.services import JobError
+from tenants.models import Tenant
+
+
+def job_get(*, tenant: Tenant, job_id: str) -> Job:
+    try:
+        parsed = uuid.UUID(job_id)
+    except ValueError:
+        raise JobError(404, "not_found", "No such job.") from None
+    job = Job.objects.select_related("tenant__shard").filter(id=parsed, tenant=tenant).first()
+    if job is None:
+        raise JobError(404, "not_found", "No such job.")
+    return job
+
+
+def job_list(*, tenant: Tenant, status: str | None, limit: int, offset: int) -> dict[str, Any]:
+    qs = Job.objects.filter(tenant=tenant).order_by("-submitted_at", "-id")
+    if status:
+        qs = qs.filter(status=status)
+    count = qs.count()
+    items = [job_to_dict(j) for j in qs[offset : offset + limit]]
+    return {
+        "items": items,
+        "count": count,
+        "limit": limit,
+        "offset": offset,
+        "next_offset": offset + limit if offset + limit < count else None,
+    }
+
+
+def job_waiting_on(job: Job) -> dict[str, Any] | None:
+    """Why a parked job waits: the key, its limit and holders, and the job's place in line."""
+    if job.status != JobStatus.PARKED:
+        return None
+    from fairqueue.jobs.admission import shard_tag
+    from fairqueue.jobs.runtime import engine
+
+    tag = shard_tag(job.tenant.shard.name)
+    state = engine().inspect_job(tag=tag, job_id=job.engine_id)
+    if state.status != "parked" or not state.parked_on:
+        return None
+    key_state = engine().inspect_key(tag=tag, key=state.parked_on)
+    return {
+        "key": state.parked_on,
+        "limit": key_state.limit,
+        "holders": len(key_state.holders),
+        "position": state.position,
+    }
+
+
+def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
+    result = job.result
+    if job.result_ref:
+        result = payloads.payload_get(job.result_ref)
+    return {
+        "id": job.id,
+        "status": job.status,
+        "task": job.task,
+        "priority": job.latency_class,
+        "batch": job.batch,
+        "sub_tenant": job.sub_tenant or None,
+        "idempotency_key": job.idempotency_key,
+        "attempts": job.attempts,
+        "submitted_at": job.submitted_at,
+        "admitted_at": job.admitted_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "result": result,
+        "error": job.error or None,
+        "waiting_on": job_waiting_on(job) if explain else None,
+    }
+
+
+def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
+    """Every term of the tenant's current limit plus its live load: why its jobs run or wait."""
+    from fairqueue.jobs import live
+    from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
+    from fairqueue.jobs.runtime import engine
+    from tenants.policy import policy_snapshot
+
+    policy = policy_snapshot()
+    tp = policy.tenants.get(tenant.slug)
+    if tp is None:
+        raise JobError(503, "policy_unavailable", "This tenant's policy is not synced yet; retry shortly.")
+    signals = live.live_signals(tenant_slug=tp.slug)
+    breakdown = tenant_limit_for(policy, tp, signals)
+    key = engine().inspect_key(tag=shard_tag(tp.shard), key=tenant_key(tp.slug))
+    fleet = live.fleet_state()
+    return {
+        "tenant": tp.slug,
+        "shard": tp.shard,
+        "floor": breakdown.floor,
+        "base": breakdown.base,
+        "ceiling": round(breakdown.ceiling, 3),
+        "pressure_factor": round(breakdown.pressure, 4),
+        "hard_max": breakdown.hard_max,
+        "dedicated": breakdown.dedicated,
+        "limit": breakdown.limit,
+        "in_flight": key.held,
+        "parked": key.waiting,
+        "parked_by_priority": {str(p): n for p, n in key.waiters_by_priority.items()},
+        "rate_per_min": round(breakdown.rate_per_min, 3),
+        "mean_job_seconds": round(breakdown.mean_seconds, 4),
+        "pool": {
+            "slots": fleet.slots,
+            "target": round(breakdown.pool_target, 3),
+            "in_flight": fleet.in_flight,
+            "batch_in_flight": fleet.batch_in_flight,
+        },
+    }

@@ -1,0 +1,315 @@
+"""Admin for tenant policy: validation with clear errors, key rotation, live Redis state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db.models import Count, QuerySet
+from django.forms.models import BaseInlineFormSet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
+from tenants.selectors import tenant_live_state
+from tenants.sync import tenant_policy_sync_on_commit
+
+# --- Shards and latency classes ----------------------------------------------------------
+
+
+@admin.register(Shard)
+class ShardAdmin(admin.ModelAdmin):
+    list_display = ["name", "capacity", "tenant_count", "updated_at"]
+    search_fields = ["name"]
+    readonly_fields = ["updated_at"]
+    fields = ["name", "capacity", "updated_at"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Shard]:
+        return super().get_queryset(request).annotate(_tenant_count=Count("tenants"))
+
+    @admin.display(description="tenants", ordering="_tenant_count")
+    def tenant_count(self, obj: Shard) -> int:
+        return getattr(obj, "_tenant_count", 0)
+
+
+@admin.register(LatencyClass)
+class LatencyClassAdmin(admin.ModelAdmin):
+    list_display = ["name", "rank", "objective_seconds", "objective", "updated_at"]
+    search_fields = ["name"]
+    readonly_fields = ["updated_at"]
+    fields = ["name", "rank", "objective_seconds", "updated_at"]
+
+    @admin.display(description="objective")
+    def objective(self, obj: LatencyClass) -> str:
+        seconds = obj.objective_seconds
+        for unit, size in (("h", 3600), ("min", 60)):
+            if seconds >= size and seconds % size == 0:
+                return f"{seconds // size} {unit}"
+        return f"{seconds} s"
+
+    def has_delete_permission(self, request: HttpRequest, obj: LatencyClass | None = None) -> bool:
+        # Jobs without a class, and tenants without a default, fall back to "default".
+        if obj is not None and obj.name == "default":
+            return False
+        return super().has_delete_permission(request, obj)
+
+
+# --- Tenants and sub-tenants ----------------------------------------------------------------
+
+
+class SubTenantInlineFormSet(BaseInlineFormSet):
+    def clean(self) -> None:
+        # Before super().clean(), whose unique check would only say "duplicate data".
+        self._check_duplicate_ids()
+        super().clean()
+
+    def _check_duplicate_ids(self) -> None:
+        seen: dict[str, int] = {}
+        for index, form in enumerate(self.forms):
+            if not hasattr(form, "cleaned_data") or not form.cleaned_data or self._should_delete_form(form):
+                continue
+            external_id = form.cleaned_data.get("external_id")
+            if not external_id:
+                continue
+            if external_id in seen:
+                message = f"Sub-tenant id '{external_id}' appears twice (rows {seen[external_id] + 1} and {index + 1})."
+                form.add_error("external_id", message)
+                raise forms.ValidationError(message)
+            seen[external_id] = index
+
+
+class SubTenantInline(admin.TabularInline):
+    model = SubTenant
+    formset = SubTenantInlineFormSet
+    fields = ["external_id", "max_concurrency", "updated_at"]
+    readonly_fields = ["updated_at"]
+    extra = 0
+
+
+class TenantAdminForm(forms.ModelForm):
+    class Meta:
+        model = Tenant
+        fields = "__all__"
+
+    def clean_max_concurrency(self) -> int | None:
+        value: int | None = self.cleaned_data.get("max_concurrency")
+        if value == 0:
+            raise forms.ValidationError(
+                "A hard max of 0 would block every job; leave it empty for no max, or deactivate the tenant."
+            )
+        return value
+
+    def clean_burst_pct(self) -> float | None:
+        value: float | None = self.cleaned_data.get("burst_pct")
+        if value is not None and not 0.0 <= value <= 10.0:
+            raise forms.ValidationError(f"Burst must be between 0 and 10 (a fraction of base: 0.5 = 50%), not {value}.")
+        return value
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    form = TenantAdminForm
+    inlines = [SubTenantInline]
+    list_display = [
+        "slug",
+        "name",
+        "active",
+        "shard",
+        "floor",
+        "burst_floor",
+        "burst_pct",
+        "max_concurrency",
+        "dedicated",
+        "batch_enabled",
+        "default_latency_class",
+        "sub_tenant_count",
+        "api_key_prefix",
+    ]
+    list_display_links = ["slug", "name"]
+    list_filter = ["active", "batch_enabled", "shard", "default_latency_class"]
+    search_fields = ["slug", "name", "api_key_prefix", "sub_tenants__external_id"]
+    list_select_related = ["shard", "default_latency_class"]
+    readonly_fields = ["api_key_prefix", "api_key_rotated_at", "created_at", "updated_at", "live_state"]
+    actions = ["rotate_api_keys", "activate", "deactivate"]
+    fieldsets = [
+        (None, {"fields": ["slug", "name", "active", "shard"]}),
+        (
+            "Concurrency",
+            {
+                "fields": ["floor", "burst_floor", "burst_pct", "max_concurrency", "dedicated", "sub_tenant_share"],
+                "description": "limit = min(max(ceiling x pool pressure, floor), hard max) + dedicated, "
+                "where ceiling = base + max(burst floor, base x burst).",
+            },
+        ),
+        ("Scheduling", {"fields": ["default_latency_class", "batch_enabled"]}),
+        (
+            "API key",
+            {
+                "fields": ["api_key_prefix", "api_key_rotated_at"],
+                "description": "Only a hash is stored. Use the “Rotate API key” action to issue a new key.",
+            },
+        ),
+        ("Live state (Redis)", {"fields": ["live_state"]}),
+        ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
+    ]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Tenant]:
+        return super().get_queryset(request).annotate(_sub_tenant_count=Count("sub_tenants"))
+
+    def get_fieldsets(self, request: HttpRequest, obj: Tenant | None = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None:  # nothing to show before the tenant exists
+            fieldsets = [fs for fs in fieldsets if fs[0] not in ("API key", "Live state (Redis)", "History")]
+        return fieldsets
+
+    @admin.display(description="sub-tenants", ordering="_sub_tenant_count")
+    def sub_tenant_count(self, obj: Tenant) -> int:
+        return getattr(obj, "_sub_tenant_count", 0)
+
+    @admin.display(description="Live state (Redis)")
+    def live_state(self, obj: Tenant) -> SafeString:
+        if obj.pk is None:
+            return format_html("<em>{}</em>", "Saved tenants only.")
+        return _render_state(tenant_live_state(tenant=obj))
+
+    # A new tenant gets its key on creation; the add response shows it once instead of redirecting.
+    def save_model(self, request: HttpRequest, obj: Tenant, form: forms.ModelForm, change: bool) -> None:
+        if not change and not obj.api_key_hash:
+            request._fq_new_keys = [(obj, obj.rotate_api_key())]  # type: ignore[attr-defined]
+        super().save_model(request, obj, form, change)
+
+    def response_add(self, request: HttpRequest, obj: Tenant, post_url_continue: str | None = None) -> HttpResponse:
+        new_keys = getattr(request, "_fq_new_keys", None)
+        if new_keys and "_popup" not in request.POST:
+            return self._show_keys(request, new_keys, title="Tenant created: copy its API key now")
+        return super().response_add(request, obj, post_url_continue)
+
+    def _show_keys(self, request: HttpRequest, new_keys: list[tuple[Tenant, str]], *, title: str) -> HttpResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.model._meta,
+            "new_keys": new_keys,
+            "changelist_url": reverse("admin:tenants_tenant_changelist"),
+        }
+        response = TemplateResponse(request, "admin/tenants/tenant/api_keys.html", context)
+        # The raw key must not linger in any cache.
+        response["Cache-Control"] = "no-store"
+        return response
+
+    @admin.action(description="Rotate API key (shows the new keys once)", permissions=["change"])
+    def rotate_api_keys(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> HttpResponse | None:
+        if request.POST.get("confirm") != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Rotate API keys?",
+                "opts": self.model._meta,
+                "tenants": list(queryset),
+                "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(request, "admin/tenants/tenant/rotate_confirmation.html", context)
+        new_keys = []
+        for tenant in queryset:
+            raw_key = tenant.rotate_api_key()
+            tenant.save(update_fields=["api_key_prefix", "api_key_hash", "api_key_rotated_at", "updated_at"])
+            new_keys.append((tenant, raw_key))
+        if not new_keys:
+            return None
+        return self._show_keys(request, new_keys, title="New API keys: copy them now")
+
+    def _set_active(self, request: HttpRequest, queryset: QuerySet[Tenant], *, active: bool) -> None:
+        ids = list(queryset.values_list("pk", flat=True))
+        updated = Tenant.objects.filter(pk__in=ids).update(active=active)
+        # update() fires no signals: mirror into Redis explicitly.
+        tenant_policy_sync_on_commit(tenant_ids=ids)
+        verb = "Activated" if active else "Deactivated"
+        self.message_user(request, f"{verb} {updated} tenant(s); Redis updated.", messages.SUCCESS)
+
+    @admin.action(description="Activate selected tenants", permissions=["change"])
+    def activate(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
+        self._set_active(request, queryset, active=True)
+
+    @admin.action(description="Deactivate selected tenants", permissions=["change"])
+    def deactivate(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> None:
+        self._set_active(request, queryset, active=False)
+
+
+def _render_value(value: Any) -> SafeString:
+    if isinstance(value, dict):
+        if not value:
+            return format_html("<em>{}</em>", "empty")
+        rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", ((k, v) for k, v in value.items()))
+        return format_html('<table class="fq-live-inner">{}</table>', rows)
+    return format_html("{}", value)
+
+
+def _render_state(state: dict[str, Any]) -> SafeString:
+    rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", ((k, _render_value(v)) for k, v in state.items()))
+    return format_html('<table class="fq-live-state">{}</table>', rows)
+
+
+@admin.register(SubTenant)
+class SubTenantAdmin(admin.ModelAdmin):
+    list_display = ["external_id", "tenant", "max_concurrency", "updated_at"]
+    list_filter = ["tenant"]
+    search_fields = ["external_id", "tenant__slug", "tenant__name"]
+    list_select_related = ["tenant"]
+    autocomplete_fields = ["tenant"]
+    readonly_fields = ["updated_at"]
+    fields = ["tenant", "external_id", "max_concurrency", "updated_at"]
+
+
+# --- Pool settings (a single row) ------------------------------------------------------------
+
+
+class PoolSettingsForm(forms.ModelForm):
+    class Meta:
+        model = PoolSettings
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        f_min, f_max = cleaned.get("f_min"), cleaned.get("f_max")
+        if f_min is not None and f_max is not None and f_min > f_max:
+            self.add_error("f_min", f"f_min ({f_min}) must not exceed f_max ({f_max}).")
+        return cleaned
+
+
+@admin.register(PoolSettings)
+class PoolSettingsAdmin(admin.ModelAdmin):
+    form = PoolSettingsForm
+    list_display = [
+        "__str__",
+        "target_utilisation",
+        "f_min",
+        "f_max",
+        "rate_window_seconds",
+        "default_job_seconds",
+        "batch_objective_seconds",
+        "updated_at",
+    ]
+    readonly_fields = ["updated_at"]
+    fieldsets = [
+        ("Pool pressure", {"fields": ["target_utilisation", "f_min", "f_max"]}),
+        ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
+        ("Batch lane", {"fields": ["batch_objective_seconds"]}),
+        (None, {"fields": ["updated_at"]}),
+    ]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return not PoolSettings.objects.exists() and super().has_add_permission(request)
+
+    def has_delete_permission(self, request: HttpRequest, obj: PoolSettings | None = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        # One row: go straight to it.
+        pool = PoolSettings.objects.first()
+        if pool is not None and self.has_view_or_change_permission(request, pool):
+            return HttpResponseRedirect(reverse("admin:tenants_poolsettings_change", args=[pool.pk]))
+        return super().changelist_view(request, extra_context)

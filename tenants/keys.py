@@ -1,0 +1,31 @@
+"""Redis key names for mirrored policy; the jobs side reads exactly these."""
+
+from __future__ import annotations
+
+PREFIX = "fq:policy:"
+VERSION_KEY = "fq:policy:version"  # INCRed with every change: the cheap "last changed" marker
+SYNCED_KEY = "fq:policy:synced"  # written by a full sync; its absence means Redis lost its data
+RESYNC_LOCK_KEY = "fq:policy:resync_lock"  # SET NX so one process resyncs after a loss
+POOL_KEY = "fq:policy:pool"
+TENANTS_INDEX = "fq:policy:tenants"
+SHARDS_INDEX = "fq:policy:shards"
+CLASSES_INDEX = "fq:policy:classes"
+
+# Keys a full resync must not delete: the counter stays monotonic, the lock guards the resync.
+PRESERVED_KEYS = frozenset({VERSION_KEY, RESYNC_LOCK_KEY})
+
+
+def tenant_key(slug: str) -> str:
+    return f"fq:policy:tenant:{slug}"
+
+
+def subtenants_key(slug: str) -> str:
+    return f"fq:policy:subtenants:{slug}"
+
+
+def shard_key(name: str) -> str:
+    return f"fq:policy:shard:{name}"
+
+
+def class_key(name: str) -> str:
+    return f"fq:policy:class:{name}"

@@ -1,0 +1,292 @@
+"""Process-local read cache of the policy mirrored in Redis, for the scheduling hot path.
+
+`policy_snapshot()` costs nothing most of the time; every CHECK_INTERVAL_SECONDS it makes
+one round trip to see whether the policy changed (version) or Redis lost its data (no
+`synced` marker). On a change it reloads; on a loss it resyncs Redis from the database
+itself, so an admin edit reaches running workers within about CHECK_INTERVAL_SECONDS and
+an emptied Redis heals without anyone running a command.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tenants import keys
+from tenants.redis_client import get_redis
+
+log = logging.getLogger("fairqueue.tenants.policy")
+
+CHECK_INTERVAL_SECONDS = 0.25
+RESYNC_LOCK_SECONDS = 10
+RESYNC_WAIT_SECONDS = 5.0  # how long a process with no snapshot waits for another's resync
+DEFAULT_CLASS = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPolicy:
+    slug: str
+    name: str
+    active: bool
+    shard: str
+    floor: int
+    burst_floor: int
+    burst_pct: float
+    max_concurrency: int | None
+    dedicated: int
+    batch_enabled: bool
+    default_class: str  # "" in Redis is resolved to "default" here
+    sub_tenant_share: float
+    version: int
+
+    @classmethod
+    def from_hash(cls, data: dict[str, str]) -> TenantPolicy:
+        max_concurrency = data.get("max_concurrency", "")
+        return cls(
+            slug=data["slug"],
+            name=data.get("name", ""),
+            active=data.get("active") == "1",
+            shard=data["shard"],
+            floor=int(data["floor"]),
+            burst_floor=int(data["burst_floor"]),
+            burst_pct=float(data["burst_pct"]),
+            max_concurrency=int(max_concurrency) if max_concurrency else None,
+            dedicated=int(data.get("dedicated") or 0),
+            batch_enabled=data.get("batch_enabled") == "1",
+            default_class=data.get("default_class") or DEFAULT_CLASS,
+            sub_tenant_share=float(data.get("sub_tenant_share") or 0.5),
+            version=int(data.get("version") or 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPolicy:
+    name: str
+    capacity: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    name: str
+    objective_seconds: int
+    rank: int
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    # Defaults mirror PoolSettings' so a missing pool hash still yields sane numbers.
+    target_utilisation: float = 0.85
+    f_min: float = 0.25
+    f_max: float = 4.0
+    rate_window_seconds: int = 300
+    default_job_seconds: float = 1.0
+    batch_objective_seconds: int = 12 * 3600
+    version: int = 0
+
+    @classmethod
+    def from_hash(cls, data: dict[str, str]) -> PoolPolicy:
+        if not data:
+            return cls()
+        return cls(
+            target_utilisation=float(data["target_utilisation"]),
+            f_min=float(data["f_min"]),
+            f_max=float(data["f_max"]),
+            rate_window_seconds=int(data["rate_window_seconds"]),
+            default_job_seconds=float(data["default_job_seconds"]),
+            batch_objective_seconds=int(data["batch_objective_seconds"]),
+            version=int(data.get("version") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """Everything the scheduler needs to know about policy, as of one policy version."""
+
+    tenants: dict[str, TenantPolicy] = field(default_factory=dict)
+    subtenants: dict[str, dict[str, int]] = field(default_factory=dict)  # slug -> external_id -> cap
+    shards: dict[str, ShardPolicy] = field(default_factory=dict)
+    classes: dict[str, ClassPolicy] = field(default_factory=dict)
+    pool: PoolPolicy = field(default_factory=PoolPolicy)
+    version: int = 0
+    sync_id: str = ""  # the `synced` marker it was loaded under; changes when Redis is rebuilt
+
+    def tenant(self, slug: str) -> TenantPolicy | None:
+        return self.tenants.get(slug)
+
+    def subtenant_cap(self, slug: str, external_id: str) -> int | None:
+        """The registered cap of a sub-tenant, or None when the customer never registered it."""
+        return self.subtenants.get(slug, {}).get(external_id)
+
+
+_lock = threading.Lock()
+_snapshot: PolicySnapshot | None = None
+_checked_at = 0.0
+
+
+def policy_snapshot() -> PolicySnapshot:
+    """The current policy; at most every CHECK_INTERVAL_SECONDS it checks Redis for a change."""
+    global _snapshot, _checked_at
+    snapshot = _snapshot
+    if snapshot is not None and time.monotonic() - _checked_at < CHECK_INTERVAL_SECONDS:
+        return snapshot
+    with _lock:
+        if _snapshot is not None and time.monotonic() - _checked_at < CHECK_INTERVAL_SECONDS:
+            return _snapshot
+        try:
+            _snapshot = _refresh(_snapshot)
+        except redis.ConnectionError:
+            if _snapshot is None:
+                raise
+            log.warning("Redis unreachable; scheduling on the last known policy (version %s)", _snapshot.version)
+        _checked_at = time.monotonic()
+        return _snapshot
+
+
+def policy_invalidate() -> None:
+    """Forget the cached snapshot so the next call reads Redis (tests, after a manual sync)."""
+    global _snapshot, _checked_at
+    with _lock:
+        _snapshot = None
+        _checked_at = 0.0
+
+
+def _refresh(current: PolicySnapshot | None) -> PolicySnapshot:
+    client = get_redis()
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.VERSION_KEY)
+    pipe.get(keys.SYNCED_KEY)
+    raw_version, sync_id = pipe.execute()
+    if not sync_id:
+        if _resync_from_database(client):
+            return _load(client)
+        # Another process holds the lock and is resyncing: keep scheduling on what we
+        # have and look again next interval; with nothing cached, wait for it briefly.
+        if current is not None:
+            return current
+        _wait_for_sync(client)
+        return _load(client)
+    if current is not None and current.version == int(raw_version or 0) and current.sync_id == sync_id:
+        return current
+    return _load(client)
+
+
+def _resync_from_database(client: redis.Redis) -> bool:
+    """Rebuild Redis from the database if no other process is already doing it."""
+    token = uuid.uuid4().hex
+    if not client.set(keys.RESYNC_LOCK_KEY, token, nx=True, ex=RESYNC_LOCK_SECONDS):
+        return False
+    from tenants.sync import policy_sync_all  # the sync services import models; keep this module light
+
+    try:
+        result = policy_sync_all()
+        log.warning(
+            "Redis had no policy (lost its data); resynced %d tenants from the database (version %d)",
+            result.tenants,
+            result.version,
+        )
+    finally:
+        _release_lock(client, token)
+    return True
+
+
+def _release_lock(client: redis.Redis, token: str) -> None:
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(keys.RESYNC_LOCK_KEY)
+            if pipe.get(keys.RESYNC_LOCK_KEY) == token:
+                pipe.multi()
+                pipe.delete(keys.RESYNC_LOCK_KEY)
+                pipe.execute()
+        except redis.WatchError:
+            pass  # it expired and someone else took it: theirs now
+
+
+def _wait_for_sync(client: redis.Redis) -> None:
+    deadline = time.monotonic() + RESYNC_WAIT_SECONDS
+    while time.monotonic() < deadline and not client.exists(keys.SYNCED_KEY):
+        time.sleep(0.05)
+
+
+def _parse(kind: str, name: str, data: dict[str, str], build: Any) -> Any:
+    try:
+        return build(data)
+    except (KeyError, ValueError):
+        log.error("Ignoring malformed policy %s %r in Redis: %r", kind, name, data)
+        return None
+
+
+def _load(client: redis.Redis) -> PolicySnapshot:
+    """Read all policy: the indexes, then every hash in one MULTI (retried if a write slips in)."""
+    for _ in range(5):
+        pipe = client.pipeline(transaction=True)
+        pipe.get(keys.VERSION_KEY)
+        pipe.get(keys.SYNCED_KEY)
+        pipe.smembers(keys.TENANTS_INDEX)
+        pipe.smembers(keys.SHARDS_INDEX)
+        pipe.smembers(keys.CLASSES_INDEX)
+        raw_version, sync_id, slugs, shard_names, class_names = pipe.execute()
+        slugs, shard_names, class_names = sorted(slugs), sorted(shard_names), sorted(class_names)
+
+        pipe = client.pipeline(transaction=True)
+        pipe.get(keys.VERSION_KEY)
+        pipe.hgetall(keys.POOL_KEY)
+        for slug in slugs:
+            pipe.hgetall(keys.tenant_key(slug))
+            pipe.hgetall(keys.subtenants_key(slug))
+        for name in shard_names:
+            pipe.hgetall(keys.shard_key(name))
+        for name in class_names:
+            pipe.hgetall(keys.class_key(name))
+        results = pipe.execute()
+        if results[0] == raw_version:
+            break
+    # If writes kept slipping in, the snapshot carries the older version, so the next
+    # check sees a newer one and reloads.
+    it = iter(results[2:])
+    tenants: dict[str, TenantPolicy] = {}
+    subtenants: dict[str, dict[str, int]] = {}
+    for slug in slugs:
+        data, subs = next(it), next(it)
+        policy = _parse("tenant", slug, data, TenantPolicy.from_hash) if data else None
+        if policy is None:
+            continue
+        tenants[slug] = policy
+        if subs:
+            subtenants[slug] = {ext: int(cap) for ext, cap in subs.items() if cap.isdigit()}
+    shards: dict[str, ShardPolicy] = {}
+    for name in shard_names:
+        data = next(it)
+        shard = _parse(
+            "shard", name, data, lambda d, n=name: ShardPolicy(n, int(d["capacity"]), int(d.get("version") or 0))
+        )
+        if data and shard is not None:
+            shards[name] = shard
+    classes: dict[str, ClassPolicy] = {}
+    for name in class_names:
+        data = next(it)
+        latency_class = _parse(
+            "class",
+            name,
+            data,
+            lambda d, n=name: ClassPolicy(n, int(d["objective_seconds"]), int(d["rank"]), int(d.get("version") or 0)),
+        )
+        if data and latency_class is not None:
+            classes[name] = latency_class
+    pool = _parse("pool", "pool", results[1], PoolPolicy.from_hash) or PoolPolicy()
+    return PolicySnapshot(
+        tenants=tenants,
+        subtenants=subtenants,
+        shards=shards,
+        classes=classes,
+        pool=pool,
+        version=int(raw_version or 0),
+        sync_id=sync_id or "",
+    )

@@ -1,0 +1,41 @@
+"""Small helpers shared by tests: tenants with a fresh API key, mirrored into Redis."""
+
+from __future__ import annotations
+
+from django.db import transaction
+
+from tenants.models import Shard, Tenant
+from tenants.policy import policy_invalidate
+
+
+def make_tenant(
+    slug: str,
+    *,
+    max_concurrency: int | None = None,
+    batch_enabled: bool = False,
+    active: bool = True,
+    shard_name: str = "default",
+    floor: int = 2,
+) -> tuple[Tenant, str]:
+    """Create a tenant with an API key and return (tenant, raw_key).
+
+    In a TestCase, wrap the call in `self.captureOnCommitCallbacks(execute=True)` so the
+    policy is mirrored into Redis; the cached policy snapshot is dropped either way.
+    """
+    shard, _ = Shard.objects.get_or_create(name=shard_name, defaults={"capacity": 100})
+    if max_concurrency is not None:
+        floor = min(floor, max_concurrency)
+    tenant = Tenant(
+        slug=slug,
+        name=slug.title(),
+        shard=shard,
+        floor=floor,
+        max_concurrency=max_concurrency,
+        batch_enabled=batch_enabled,
+        active=active,
+    )
+    raw_key = tenant.rotate_api_key()
+    with transaction.atomic():
+        tenant.save()
+    policy_invalidate()
+    return tenant, raw_key

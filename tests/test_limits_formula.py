@@ -1,0 +1,86 @@
+"""The limit formula, term by term, at its edges (pure function: no Redis needed)."""
+
+from __future__ import annotations
+
+from django.test import SimpleTestCase
+
+from tenants.limits import tenant_limit
+
+DEFAULTS = dict(
+    floor=2,
+    burst_floor=2,
+    burst_pct=0.5,
+    max_concurrency=None,
+    dedicated=0,
+    rate_per_min=0.0,
+    mean_seconds=1.0,
+    pool_slots=100,
+    target_utilisation=0.8,
+    in_flight=80,
+    f_min=0.25,
+    f_max=4.0,
+)
+
+
+def limit(**overrides: object):  # type: ignore[no-untyped-def]
+    return tenant_limit(**{**DEFAULTS, **overrides})  # type: ignore[arg-type]
+
+
+class FormulaTests(SimpleTestCase):
+    def test_no_traffic_runs_at_the_floor_based_ceiling(self) -> None:
+        b = limit()
+        self.assertEqual(b.base, 2)
+        self.assertEqual(b.ceiling, 4)  # 2 + max(2, 2 * 0.5)
+        self.assertEqual(b.pressure, 1.0)  # 80 in flight at a target of 80
+        self.assertEqual(b.limit, 4)
+
+    def test_rate_times_duration_below_the_floor_keeps_the_floor(self) -> None:
+        self.assertEqual(limit(rate_per_min=60, mean_seconds=1.0).base, 2)  # R*D/60 = 1
+
+    def test_rate_times_duration_above_the_floor_raises_base_rounding_up(self) -> None:
+        b = limit(rate_per_min=601, mean_seconds=1.0)  # 10.016 -> 11
+        self.assertEqual(b.base, 11)
+        self.assertEqual(b.ceiling, 11 + 5.5)
+        self.assertEqual(b.limit, 16)  # floor(16.5 * 1.0)
+
+    def test_exact_multiple_is_not_rounded_up(self) -> None:
+        self.assertEqual(limit(rate_per_min=600, mean_seconds=1.0).base, 10)
+
+    def test_burst_pct_wins_over_burst_floor_when_larger(self) -> None:
+        self.assertEqual(limit(floor=10, burst_pct=1.0).ceiling, 20)
+
+    def test_saturated_pool_shrinks_by_the_factor_but_never_below_floor(self) -> None:
+        b = limit(floor=2, burst_floor=6, in_flight=160)  # factor 0.5: 8 * 0.5 = 4
+        self.assertEqual(b.pressure, 0.5)
+        self.assertEqual(b.limit, 4)
+        squeezed = limit(floor=2, in_flight=10_000)  # factor clamps at f_min: 4 * 0.25 = 1 -> floor 2
+        self.assertEqual(squeezed.pressure, 0.25)
+        self.assertEqual(squeezed.limit, 2)
+
+    def test_idle_pool_expands_to_f_max(self) -> None:
+        self.assertEqual(limit(in_flight=0).pressure, 4.0)
+        self.assertEqual(limit(in_flight=0).limit, 16)
+        self.assertEqual(limit(in_flight=10).pressure, 4.0)  # 80/10 = 8 clamps to 4
+
+    def test_f_min_bounds_pressure(self) -> None:
+        self.assertEqual(limit(in_flight=1000, f_min=0.1).pressure, 0.1)
+
+    def test_hard_max_is_never_exceeded(self) -> None:
+        self.assertEqual(limit(in_flight=0, max_concurrency=5).limit, 5)
+
+    def test_dedicated_capacity_comes_on_top_of_the_hard_max(self) -> None:
+        b = limit(in_flight=0, max_concurrency=5, dedicated=3)
+        self.assertEqual(b.limit, 8)
+        self.assertEqual(limit(dedicated=3).limit, 7)
+
+    def test_no_registered_workers_means_neutral_pressure(self) -> None:
+        self.assertEqual(limit(pool_slots=0, in_flight=0).pressure, 1.0)
+
+    def test_every_tenant_shrinks_by_the_same_factor(self) -> None:
+        tenants = [dict(floor=1, burst_floor=3), dict(floor=5, burst_pct=1.0), dict(floor=10, burst_floor=10)]
+        relaxed = [limit(in_flight=80, **t) for t in tenants]
+        squeezed = [limit(in_flight=160, **t) for t in tenants]
+        for r, s in zip(relaxed, squeezed, strict=True):
+            self.assertEqual(s.pressure, 0.5)
+            self.assertEqual(s.limit, max(int(r.ceiling * 0.5), r.floor))
+            self.assertGreaterEqual(s.limit, s.floor)

@@ -1,0 +1,104 @@
+"""Real Celery worker processes for tests: started with `manage.py worker`, killed for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from django.conf import settings
+from django.db import connection
+
+from fairqueue.jobs.worker import SEEN_KEY
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_DIR = ROOT / "var" / "test-logs"
+
+
+def worker_env(**overrides: str) -> dict[str, str]:
+    """Point a child process at the test Redis database and the test SQLite file."""
+    env = dict(os.environ)
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        env["DATABASE_URL"] = f"sqlite:///{db['NAME']}"
+    else:
+        env["DATABASE_URL"] = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    env["REDIS_URL"] = settings.REDIS_URL
+    env["FAIRQUEUE_DEMO"] = "1"
+    env.update(overrides)
+    return env
+
+
+class WorkerProcess:
+    """One `manage.py worker` subprocess with `slots` thread slots."""
+
+    def __init__(self, *, slots: int = 4, name: str | None = None, **env: str) -> None:
+        self.slots = slots
+        self.hostname = f"{name or 'test'}-{uuid.uuid4().hex[:6]}@localhost"
+        self.env = worker_env(**env)
+        self.proc: subprocess.Popen[bytes] | None = None
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"{self.hostname.split('@')[0]}.log"
+
+    def start(self, timeout: float = 30.0) -> WorkerProcess:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "worker",
+                f"--concurrency={self.slots}",
+                f"--hostname={self.hostname}",
+                "-l",
+                "info",
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        client = redis.Redis.from_url(settings.REDIS_URL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.zscore(SEEN_KEY, self.hostname) is not None:
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early; see {self.log_path}")
+            time.sleep(0.1)
+        raise RuntimeError(f"worker did not register in {timeout}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handlers run, exactly like a node that vanishes."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode if self.proc else None
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.1, message: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
