@@ -168,6 +168,9 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="WARNING")},
     "loggers": {"fairqueue": {"level": env.str("FAIRQUEUE_LOG_LEVEL", default="INFO")}},
 }
+if RUNNING_TESTS:
+    # Tests provoke 4xx responses and Redis data loss on purpose; keep their output readable.
+    LOGGING["loggers"] = {"fairqueue": {"level": "ERROR"}, "django.request": {"level": "ERROR"}}
 
 if not DEBUG and not DEMO_MODE:
     SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=True)

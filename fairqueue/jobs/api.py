@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
 from typing import Any, Literal
@@ -11,6 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from ninja import Field, NinjaAPI, Query, Schema
 from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
+from ninja.parser import Parser
 from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
@@ -20,6 +22,37 @@ from tenants.models import Tenant
 from tenants.selectors import tenant_authenticate
 
 BULK_MAX = 1000
+
+
+MAX_JSON_DEPTH = 32
+
+
+class StrictJSONParser(Parser):
+    """JSON only, no NaN/Infinity (not JSON, and PostgreSQL's jsonb refuses them), bounded depth."""
+
+    def parse_body(self, request: HttpRequest) -> Any:
+        content_type = request.headers.get("Content-Type", "")
+        if request.body and content_type.split(";")[0].strip().lower() not in ("application/json", ""):
+            raise JobError(415, "unsupported_media_type", "Send the body as application/json.")
+        value = json.loads(request.body, parse_constant=_reject_constant)
+        _check_depth(value)
+        return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise JobError(400, "invalid_json", f"{name} is not valid JSON.")
+
+
+def _check_depth(value: Any) -> None:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise JobError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
 
 
 class TenantKeyAuth(HttpBearer):
@@ -39,6 +72,7 @@ api = NinjaAPI(
     openapi_url="/openapi.json",
     docs_url="/docs",
     auth=TenantKeyAuth(),
+    parser=StrictJSONParser(),
 )
 
 
@@ -76,11 +110,16 @@ def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
 @api.exception_handler(NinjaValidationError)
 def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
     first: dict[str, Any] = exc.errors[0] if exc.errors else {}
-    loc = [str(p) for p in first.get("loc", []) if p not in ("body", "payload", "query")]
-    field = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return error_response(request, 400, "invalid_json", "The request body is not valid JSON.")
-    return error_response(request, 400, "invalid_request", f"{field or 'body'}: {first.get('msg', 'invalid')}.", field)
+    loc = list(first.get("loc", []))
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie", "form", "file"):
+        loc = loc[1:]
+        if loc and loc[0] == "payload":
+            loc = loc[1:]
+    field = ""
+    for part in loc:
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    code = "invalid_args" if loc and loc[0] == "args" else "invalid_request"
+    return error_response(request, 400, code, f"{field or 'body'}: {first.get('msg', 'invalid')}.", field or None)
 
 
 @api.exception_handler(RequestDataTooBig)
@@ -90,6 +129,10 @@ def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
 
 @api.exception_handler(HttpError)
 def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    if isinstance(exc.__cause__, JobError):  # raised by StrictJSONParser, wrapped by ninja
+        return _job_error(request, exc.__cause__)
+    if exc.status_code == 400 and str(exc).startswith("Cannot parse request body"):
+        return error_response(request, 400, "invalid_json", "The request body is not valid JSON.")
     return error_response(request, exc.status_code, "http_error", str(exc))
 
 

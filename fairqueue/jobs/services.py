@@ -27,7 +27,7 @@ from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
-from fairqueue.jobs import live, payloads
+from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs.admission import admission_plan
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import JobContext, task_get
@@ -110,7 +110,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
-    job = Job(
+    return Job(
         id=uuid.uuid4(),
         tenant=tenant,
         sub_tenant=sub,
@@ -119,14 +119,24 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         priority=latency_class.rank,
         batch=req.batch,
         idempotency_key=req.idempotency_key,
+        args=req.args,
     )
-    encoded = payloads.payload_encode(req.args)
-    if len(encoded) > payloads.payload_threshold():
-        job.args = {}
-        job.args_ref = payloads.payload_put(data=encoded, kind="args")
-    else:
-        job.args = req.args
-    return job
+
+
+def _offload_large_args(jobs: Sequence[Job]) -> None:
+    """Move arguments over the threshold to the payload store (after all jobs validated)."""
+    threshold = payloads.payload_threshold()
+    for job in jobs:
+        encoded = payloads.payload_encode(job.args)
+        if len(encoded) > threshold:
+            job.args_ref = payloads.payload_put(data=encoded, kind="args")
+            job.args = {}
+
+
+def _discard_offloaded(jobs: Sequence[Job]) -> None:
+    for job in jobs:
+        if job.args_ref:
+            payloads.payload_delete(job.args_ref)
 
 
 # --- submit ---------------------------------------------------------------------------------
@@ -155,16 +165,19 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
         fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
         results.append(None)
     if fresh:
+        _offload_large_args(fresh)
         try:
             with transaction.atomic():
                 Job.objects.bulk_create(fresh)
         except IntegrityError:
             # A concurrent request won the race on an idempotency key: answer with its jobs.
-            for job in fresh:
-                if job.args_ref:
-                    payloads.payload_delete(job.args_ref)
+            _discard_offloaded(fresh)
             return job_submit_bulk(tenant=tenant, reqs=reqs, single=single)
+        except BaseException:
+            _discard_offloaded(fresh)
+            raise
         live.record_submissions(tenant_slug=tenant.slug, count=len(fresh))
+        stats.count("submitted", len(fresh))
         jobs_admit(fresh, policy=policy)
     it = iter(fresh)
     return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
@@ -204,7 +217,9 @@ def jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot | None = None) -> 
             )
         )
         admitted_jobs.append(job)
+    started = time.perf_counter()
     outcomes: list[Admission] = engine().admit_many(items)
+    stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
     now = timezone.now()
     parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted]
     go_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.admitted]
@@ -273,6 +288,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 job.error_reason = "worker_lost"
                 job.error = f"Workers died {job.worker_losses} times running this job; not re-delivered again."
                 job.finished_at = timezone.now()
+                stats.count("finished:failed")
             else:
                 job.status = JobStatus.QUEUED
                 again.append(job)
@@ -306,6 +322,7 @@ def job_cancel(*, job: Job) -> Job:
     job.refresh_from_db()
     if not updated:
         raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
+    stats.count("finished:cancelled")
     tag = _tag_of(job)
     result = engine().release(tag=tag, job_id=job.engine_id)
     outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
@@ -422,7 +439,8 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     fields["finished_at"] = finished
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
-    Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields)
+    if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
+        stats.count(f"finished:{fields['status']}")
     live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     job_release(tag=tag, engine_id=job.engine_id)
     return outcome
@@ -485,5 +503,7 @@ def limits_refresh() -> int:
 
 
 def job_release(*, tag: str, engine_id: str) -> None:
+    started = time.perf_counter()
     result = engine().release(tag=tag, job_id=engine_id)
+    stats.observe("release", time.perf_counter() - started)
     outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)

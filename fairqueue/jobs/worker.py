@@ -14,6 +14,7 @@ from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
 
+from fairqueue.jobs import stats
 from fairqueue.jobs.runtime import redis_client
 
 log = logging.getLogger("fairqueue.worker")
@@ -61,6 +62,7 @@ def _heartbeat(hostname: str, slots: int) -> None:
             pipe.zadd(SEEN_KEY, {hostname: time.time()})
             pipe.zremrangebyscore(SEEN_KEY, "-inf", time.time() - 10 * WORKER_TTL_SECONDS)
             pipe.execute()
+            stats.flush()
         except Exception:
             log.exception("worker heartbeat failed")
         _stop.wait(HEARTBEAT_SECONDS)

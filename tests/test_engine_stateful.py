@@ -1,0 +1,165 @@
+"""Hypothesis drives the real scripts and the reference model with random admits,
+re-admits, releases, cancels, renewals, limit changes (set_limits and via admit) and
+lease expiries, and checks on every step that they agree and that the invariants hold."""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from hypothesis import HealthCheck
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from fairqueue.engine import Engine
+from tests.base import RedisTestCase
+from tests.test_engine_model import Model, MResult, assert_agree
+
+POOL = ["a", "b", "c", "d"]
+TAG = "s:stateful"
+key_sets = st.lists(st.sampled_from(POOL), min_size=1, max_size=3, unique=True)
+limits = st.integers(min_value=0, max_value=3)
+priorities = st.sampled_from([0, 0, 1, 5, 250])
+
+
+class EngineMachine(RuleBasedStateMachine):
+    case: RedisTestCase
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client = redis.Redis.from_url(settings.REDIS_URL)
+        self.client.flushdb()
+        self.engine = Engine(self.client)
+        self.model = Model()
+        self.next_id = 0
+        self.known: list[str] = []
+        self.holders_before: dict[str, list[str]] = {}
+
+    @initialize()
+    def start(self) -> None:
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        self.holders_before = {k: self.model.holders_of(k) for k in POOL}
+
+    def check(self, real_woken: list[tuple[str, str]], real_reclaimed: list[tuple[str, str]], want: MResult) -> None:
+        assert real_woken == want.woken, (real_woken, want.woken)
+        assert real_reclaimed == want.reclaimed, (real_reclaimed, want.reclaimed)
+
+    def limits_for(self, keys: list[str], data: st.DataObject) -> dict[str, int]:
+        # Usually the current limit (as a real caller would), sometimes a change.
+        out = {}
+        for key in keys:
+            current = self.model.limits.get(key)
+            out[key] = data.draw(limits) if current is None or data.draw(st.integers(0, 3)) == 0 else current
+        return out
+
+    @rule(keys=key_sets, priority=priorities, data=st.data())
+    def admit(self, keys: list[str], priority: int, data: st.DataObject) -> None:
+        self.next_id += 1
+        job = f"j{self.next_id:04d}"
+        self.known.append(job)
+        lim = self.limits_for(keys, data)
+        real = self.engine.admit(tag=TAG, job_id=job, keys=lim, priority=priority, lease_seconds=60, data=f"d{job}")
+        want = self.model.admit(job, lim, priority, f"d{job}")
+        assert (real.admitted, real.parked_on, real.position) == (want.admitted, want.parked_on, want.position)
+        assert not real.duplicate
+        self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
+
+    @rule(data=st.data())
+    def readmit(self, data: st.DataObject) -> None:
+        if not self.known:
+            return
+        job = data.draw(st.sampled_from(self.known))
+        real = self.engine.admit(tag=TAG, job_id=job, keys={"a": 1}, lease_seconds=60, data="other")
+        want = self.model.admit(job, {"a": 1}, 0, "other") if job in self.model.jobs else None
+        if want is None:  # gone: it is admitted afresh with the new spec, like the model
+            want = self.model.admit(job, {"a": 1}, 0, "other")
+        else:
+            assert real.duplicate
+        assert (real.admitted, real.parked_on, real.position) == (want.admitted, want.parked_on, want.position)
+        self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.known:
+            return
+        job = data.draw(st.sampled_from(self.known))
+        real = self.engine.release(tag=TAG, job_id=job)
+        want = self.model.release(job)
+        assert real.found == want.found
+        self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
+
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        if not self.known:
+            return
+        job = data.draw(st.sampled_from(self.known))
+        real = self.engine.cancel(tag=TAG, job_id=job)
+        want = self.model.cancel(job)
+        assert real.cancelled == want.found
+        self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
+
+    @rule(keys=key_sets, data=st.data())
+    def set_limits(self, keys: list[str], data: st.DataObject) -> None:
+        lim = {k: data.draw(limits) for k in keys}
+        real = self.engine.set_limits(tag=TAG, limits=lim)
+        assert [(w.job_id, w.data) for w in real] == self.model.set_limits(lim)
+
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        if not self.known:
+            return
+        job = data.draw(st.sampled_from(self.known))
+        assert self.engine.expire_now(tag=TAG, job_id=job) == self.model.expire_now(job)
+
+    @rule(data=st.data())
+    def renew(self, data: st.DataObject) -> None:
+        if not self.known:
+            return
+        job = data.draw(st.sampled_from(self.known))
+        assert self.engine.renew(tag=TAG, job_id=job, lease_seconds=60) == self.model.renew(job)
+
+    @rule(max_jobs=st.integers(1, 3))
+    def reclaim(self, max_jobs: int) -> None:
+        real = self.engine.reclaim(tag=TAG, max_jobs=max_jobs)
+        want = self.model.reclaim(max_jobs)
+        self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
+
+    @invariant()
+    def agree_and_safe(self) -> None:
+        assert_agree(self.case, self.engine, self.model, TAG, POOL)
+        for key in POOL:
+            now = self.model.holders_of(key)
+            new = set(now) - set(self.holders_before.get(key, []))
+            if new:  # anyone who got in did so within the limit
+                assert len(now) <= self.model.limits[key], (key, now, self.model.limits[key])
+        for key, job in self.model.new_holders:
+            assert job in self.model.holders.get(key, set()) or job not in self.model.jobs
+        self.model.new_holders.clear()
+        self.snapshot()
+        for job_id, job in self.model.jobs.items():
+            state = self.engine.inspect_job(tag=TAG, job_id=job_id)
+            assert state.status == ("admitted" if job.running else "parked")
+            assert state.held_keys == job.keys[: job.n]
+            if not job.running:
+                assert (state.parked_on, state.position) == (job.keys[job.n], self.model.position(job_id))
+
+    def teardown(self) -> None:
+        self.client.flushdb()
+        self.client.close()
+
+
+class StatefulEngineTest(RedisTestCase):
+    def test_scripts_agree_with_model(self) -> None:
+        EngineMachine.case = self
+        run_state_machine_as_test(
+            EngineMachine,
+            settings=hsettings(
+                max_examples=60,
+                stateful_step_count=40,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
