@@ -9,3 +9,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fairqueue.settings")
 app = Celery("fairqueue")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+# The benchmark's plain-Celery baseline task (fairqueue/bench/tasks.py); not an installed app.
+app.autodiscover_tasks(["fairqueue.bench"])

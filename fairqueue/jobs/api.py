@@ -7,6 +7,7 @@ import uuid
 from datetime import datetime
 from typing import Any, Literal
 
+import redis
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, NinjaAPI, Query, Schema
@@ -125,6 +126,15 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
 @api.exception_handler(RequestDataTooBig)
 def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
     return error_response(request, 413, "payload_too_large", "The request body is larger than the size cap.")
+
+
+@api.exception_handler(redis.RedisError)
+def _redis_down(request: HttpRequest, exc: redis.RedisError) -> HttpResponse:
+    # Only reached before anything was written: a process that has never seen the policy
+    # cannot validate a job. Once it has, submissions are accepted during an outage.
+    response = error_response(request, 503, "unavailable", "The scheduler is briefly unavailable; retry shortly.")
+    response["Retry-After"] = "5"
+    return response
 
 
 @api.exception_handler(HttpError)

@@ -20,9 +20,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
@@ -183,14 +185,25 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
     return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
 
 
-def jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot | None = None) -> None:
+def jobs_admit(
+    jobs: Sequence[Job], *, policy: PolicySnapshot | None = None, dispatch: bool = True, running: bool = False
+) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
 
-    Redis trouble here leaves the jobs `queued` in the database, where recovery finds them.
+    Redis trouble here leaves the jobs `queued` in the database, where recovery admits
+    them later (fairqueue.jobs.recovery). `running=True` re-enters jobs that are already
+    running (after Redis lost its state) with a running lease and no dispatch.
     """
     if not jobs:
         return
-    policy = policy or policy_snapshot()
+    try:
+        _jobs_admit(jobs, policy=policy or policy_snapshot(), dispatch=dispatch, running=running)
+    except redis.RedisError:
+        log.warning("Redis unreachable: %d job(s) stay queued until it is back", len(jobs))
+
+
+def _jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool) -> None:
+    lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
     admitted_jobs = []
     for job in jobs:
@@ -212,7 +225,7 @@ def jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot | None = None) -> 
                 job_id=job.engine_id,
                 keys=plan.keys,
                 priority=plan.priority,
-                lease_seconds=float(settings.FAIRQUEUE["DISPATCH_LEASE_SECONDS"]),
+                lease_seconds=lease_seconds,
                 data=queue_name(job.latency_class, batch=job.in_batch_lane),
             )
         )
@@ -220,19 +233,24 @@ def jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot | None = None) -> 
     started = time.perf_counter()
     outcomes: list[Admission] = engine().admit_many(items)
     stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
+    if running:
+        return
     now = timezone.now()
     parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted]
     go_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.admitted]
     if parked_ids:
-        Job.objects.filter(id__in=parked_ids, status=JobStatus.QUEUED, admitted_at__isnull=True).update(
-            status=JobStatus.PARKED
-        )
+        Job.objects.filter(id__in=parked_ids, status=JobStatus.QUEUED).update(status=JobStatus.PARKED)
     if go_ids:
-        Job.objects.filter(id__in=go_ids, admitted_at__isnull=True).update(admitted_at=now)
+        Job.objects.filter(id__in=go_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
+            status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now))
+        )
+    if not dispatch:
+        return
     for job, outcome in zip(admitted_jobs, outcomes, strict=True):
         if outcome.admitted:
             if job.admitted_at is None:
                 job.admitted_at = now
+            job.status = JobStatus.QUEUED
             _send(job.engine_id, queue_name(job.latency_class, batch=job.in_batch_lane))
         elif job.status == JobStatus.QUEUED:
             job.status = JobStatus.PARKED
@@ -365,6 +383,10 @@ class ActiveLeases:
             lost = engine_id in self._lost
             self._lost.discard(engine_id)
             return lost
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._active)
 
     def count(self) -> tuple[int, int]:
         """(running jobs, of which batch-lane jobs) in this process."""
@@ -500,6 +522,22 @@ def limits_refresh() -> int:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
+    """Hand a running job back because its worker is shutting down on purpose.
+
+    Unlike a reclaim after a crash, this is not the job's fault: worker_losses is not
+    incremented, so scaling in never turns a job into a poison pill.
+    """
+    job_id, gen = _split_engine_id(engine_id)
+    moved = Job.objects.filter(id=job_id, generation=gen, status=JobStatus.RUNNING).update(
+        status=JobStatus.QUEUED, generation=gen + 1, admitted_at=None, worker=""
+    )
+    job_release(tag=tag, engine_id=engine_id)
+    if moved:
+        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)))
+    return bool(moved)
 
 
 def job_release(*, tag: str, engine_id: str) -> None:

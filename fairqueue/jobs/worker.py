@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from fairqueue.jobs import stats
 from fairqueue.jobs.runtime import redis_client
@@ -28,6 +28,7 @@ HEARTBEAT_SECONDS = 1.0
 WORKER_TTL_SECONDS = 6.0
 
 _stop = threading.Event()
+_hostname: str | None = None
 
 
 def fleet_read() -> dict[str, int]:
@@ -86,11 +87,14 @@ def sweep_once() -> int:
 
 def scheduler_tick() -> None:
     """The periodic duties any worker may perform; all are atomic and safe to overlap."""
+    from fairqueue.jobs.recovery import jobs_admit_pending, state_ensure
     from fairqueue.jobs.services import batch_promote_due, limits_refresh
 
+    state_ensure()
     sweep_once()
     limits_refresh()
     batch_promote_due()
+    jobs_admit_pending()
 
 
 def _ticker(interval: float) -> None:
@@ -107,7 +111,9 @@ def _ticker(interval: float) -> None:
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     from django.conf import settings
 
+    global _hostname
     hostname = getattr(sender, "hostname", None) or "worker"
+    _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
     _stop.clear()
     threading.Thread(target=_heartbeat, args=(hostname, slots), name="fairqueue-heartbeat", daemon=True).start()
@@ -116,16 +122,53 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     log.info("worker %s registered with %s slots", hostname, slots)
 
 
+@worker_shutting_down.connect
+def _on_worker_shutting_down(sig: str | None = None, how: str | None = None, **kwargs: Any) -> None:
+    """SIGTERM (an autoscaler scaling in): finish what we can within the grace period."""
+    from django.conf import settings
+
+    grace = float(settings.FAIRQUEUE["SHUTDOWN_GRACE_SECONDS"])
+    threading.Thread(target=_drain, args=(grace,), name="fairqueue-drain", daemon=True).start()
+
+
+def _drain(grace: float) -> None:
+    """Celery stops taking work and waits for running jobs; past the grace period we hand
+    the rest back (re-delivered elsewhere, not counted as a worker loss) and exit."""
+    import os
+
+    from fairqueue.jobs.services import active_leases, job_requeue_graceful
+
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and active_leases.count()[0]:
+        time.sleep(0.05)
+    leftover = active_leases.snapshot()
+    if not leftover:
+        return
+    for engine_id, tag in leftover.items():
+        try:
+            job_requeue_graceful(engine_id=engine_id, tag=tag)
+        except Exception:
+            log.exception("could not hand back job %s; its lease will expire instead", engine_id)
+    log.warning("grace period over: handed %d running job(s) back for re-delivery", len(leftover))
+    _stop.set()
+    _deregister(_hostname)
+    os._exit(0)  # the abandoned jobs' threads cannot be stopped any other way
+
+
 @worker_shutdown.connect
 def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     _stop.set()
-    hostname = getattr(sender, "hostname", None)
-    if hostname:
-        try:
-            client = redis_client()
-            client.hdel(WORKERS_KEY, hostname)
-            client.hdel(BUSY_KEY, hostname)
-            client.hdel(BUSY_BATCH_KEY, hostname)
-            client.zrem(SEEN_KEY, hostname)
-        except Exception:
-            log.exception("could not deregister worker %s", hostname)
+    _deregister(getattr(sender, "hostname", None))
+
+
+def _deregister(hostname: str | None) -> None:
+    if not hostname:
+        return
+    try:
+        pipe = redis_client().pipeline(transaction=False)
+        for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
+            pipe.hdel(key, hostname)
+        pipe.zrem(SEEN_KEY, hostname)
+        pipe.execute()
+    except Exception:
+        log.exception("could not deregister worker %s", hostname)

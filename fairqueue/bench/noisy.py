@@ -1,0 +1,674 @@
+"""`manage.py bench noisy`: the noisy-neighbour benchmark on the real stack.
+
+One workload (seeded), four modes, each on a fresh stack (a new SQLite file, the bench's
+own flushed Redis database, new `manage.py worker` processes with a fixed number of
+thread slots):
+
+- ``fifo``: plain Celery. Every job is one `send_task` of `fairqueue.bench.plain_sleep`
+  to the single queue ``fq.default``; no FairQueue code on the path at all.
+- ``isolation``: FairQueue with fixed shares: every tenant's floor and hard max are
+  ``slots // tenants`` and f_min = f_max = 1, so nobody ever flexes.
+- ``fair``: FairQueue with its dynamic limits, default tenant and pool settings.
+- ``fair_no_burst``: ``fair`` with the noisy tenant silent: the steady tenants' reference.
+
+FairQueue modes submit through `job_submit` / `job_submit_bulk`, the functions behind
+`POST /api/v1/jobs` and `/jobs/bulk`, as task `demo.sleep`.
+
+Each mode runs in a child process (``python -m fairqueue.bench.noisy --child ...``)
+whose environment points Django at that mode's database and Redis; the child seeds the
+policy, starts the workers, drives the workload from threads, waits for every job to
+end and writes the raw per-job records. This process computes the figures from them.
+
+Definitions (all times are wall-clock unix seconds on one host):
+
+- wait = started - submitted. FairQueue: `Job.started_at - Job.submitted_at` (started is
+  the worker's claim, before the task body). fifo: the task's own start minus the time
+  just before `send_task`.
+- makespan (noisy) = last noisy finish - first noisy submit.
+- utilisation while a backlog exists: a job is *backlogged* from ``submitted + 0.1 s``
+  until it starts (the 0.1 s grace keeps a message merely in transit from counting as a
+  backlog). B is the union of all backlogged intervals; utilisation = busy slot-seconds
+  inside B / (slots * |B|), where a slot is busy while a task *body* runs (the sleep:
+  FairQueue's own per-job overhead counts as idle, as it is for plain Celery).
+- jobs_per_s = jobs / (last finish - first submit).
+- mean_job_s = mean drawn duration of the mode's jobs (the workload's, not measured).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fairqueue.bench import stack
+
+MODES = ("fifo", "isolation", "fair", "fair_no_burst")
+BACKLOG_GRACE_S = 0.1
+QUIET_PREFIX = "quiet-"
+NOISY_SLUG = "noisy"
+SHARD_NAME = "bench"
+SHARD_CAPACITY = 10_000  # the shard key must not be what throttles anyone here
+FIFO_QUEUE = "fq.default"
+TRACE_INTERVAL_S = 0.25
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Workload:
+    seed: int = 7
+    workers: int = 2
+    slots_per_worker: int = 8
+    quiet_tenants: int = 4
+    quiet_rate_per_s: float = 3.0  # per steady tenant, Poisson
+    mean_job_s: float = 0.3  # lognormal mean
+    sigma: float = 1.0  # lognormal shape (p99 is about 6x the mean)
+    max_job_s: float = 5.0
+    warmup_s: float = 5.0  # steady traffic before the burst
+    burst_jobs: int = 960
+    burst_seconds: float = 3.0
+    burst_chunks: int = 12
+    steady_s: float = 30.0  # how long the steady tenants keep submitting
+
+    @property
+    def slots(self) -> int:
+        return self.workers * self.slots_per_worker
+
+    @property
+    def tenants(self) -> int:
+        return self.quiet_tenants + 1
+
+
+PRESETS: dict[str, Workload] = {
+    "default": Workload(),
+    "quick": Workload(
+        quiet_rate_per_s=2.0,
+        mean_job_s=0.2,
+        warmup_s=2.0,
+        burst_jobs=320,
+        burst_seconds=1.0,
+        burst_chunks=4,
+        steady_s=7.0,
+    ),
+    "smoke": Workload(
+        workers=1,
+        slots_per_worker=4,
+        quiet_tenants=2,
+        quiet_rate_per_s=2.0,
+        mean_job_s=0.05,
+        max_job_s=0.5,
+        warmup_s=0.5,
+        burst_jobs=24,
+        burst_seconds=0.3,
+        burst_chunks=2,
+        steady_s=2.0,
+    ),
+}
+
+
+# --- workload -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Planned:
+    at: float  # seconds after the start
+    tenant: str
+    seconds: float
+    chunk: int  # -1 for a steady job; the burst's chunk number otherwise
+
+
+def workload_plan(w: Workload) -> list[Planned]:
+    """The deterministic schedule: steady Poisson arrivals plus the noisy burst in chunks."""
+    import numpy as np
+
+    rng = np.random.default_rng(w.seed)
+    mu = math.log(w.mean_job_s) - w.sigma**2 / 2
+
+    def duration() -> float:
+        return round(float(min(rng.lognormal(mu, w.sigma), w.max_job_s)), 4)
+
+    plan: list[Planned] = []
+    for i in range(w.quiet_tenants):
+        t = float(rng.exponential(1 / w.quiet_rate_per_s))
+        while t < w.steady_s:
+            plan.append(Planned(at=round(t, 4), tenant=f"{QUIET_PREFIX}{i + 1}", seconds=duration(), chunk=-1))
+            t += float(rng.exponential(1 / w.quiet_rate_per_s))
+    per_chunk = math.ceil(w.burst_jobs / w.burst_chunks)
+    for n in range(w.burst_jobs):
+        chunk = n // per_chunk
+        at = w.warmup_s + (w.burst_seconds * chunk / max(w.burst_chunks - 1, 1) if w.burst_chunks > 1 else 0.0)
+        plan.append(Planned(at=round(at, 4), tenant=NOISY_SLUG, seconds=duration(), chunk=chunk))
+    return sorted(plan, key=lambda p: (p.at, p.tenant))
+
+
+# --- metrics (pure) ---------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def intervals_union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def overlap(a: float, b: float, union: list[tuple[float, float]], starts: list[float]) -> float:
+    """Length of [a, b] inside a sorted, disjoint union of intervals."""
+    total = 0.0
+    i = max(bisect.bisect_right(starts, a) - 1, 0)
+    while i < len(union) and union[i][0] < b:
+        lo, hi = max(a, union[i][0]), min(b, union[i][1])
+        if hi > lo:
+            total += hi - lo
+        i += 1
+    return total
+
+
+def backlog_utilisation(records: Sequence[dict[str, Any]], slots: int) -> tuple[float | None, float]:
+    """(busy slot-seconds / (slots * backlog seconds), backlog seconds); None without a backlog."""
+    union = intervals_union([(r["submitted"] + BACKLOG_GRACE_S, r["started"]) for r in records])
+    length = sum(b - a for a, b in union)
+    if length <= 0:
+        return None, 0.0
+    starts = [a for a, _ in union]
+    busy = sum(overlap(r["run_started"], r["run_finished"], union, starts) for r in records)
+    return busy / (slots * length), length
+
+
+def mode_metrics(records: Sequence[dict[str, Any]], *, slots: int) -> dict[str, Any]:
+    quiet = [r for r in records if r["tenant"] != NOISY_SLUG]
+    noisy = [r for r in records if r["tenant"] == NOISY_SLUG]
+
+    def waits(rs: Sequence[dict[str, Any]]) -> list[float]:
+        return [max(r["started"] - r["submitted"], 0.0) for r in rs]
+
+    util, backlog_s = backlog_utilisation(records, slots)
+    first = min((r["submitted"] for r in records), default=0.0)
+    last = max((r["finished"] for r in records), default=0.0)
+    makespan = (max(r["finished"] for r in noisy) - min(r["submitted"] for r in noisy)) if noisy else None
+
+    def rnd(x: float | None, n: int = 4) -> float | None:
+        return None if x is None else round(x, n)
+
+    return {
+        "quiet_p50_wait_s": rnd(percentile(waits(quiet), 50)),
+        "quiet_p99_wait_s": rnd(percentile(waits(quiet), 99)),
+        "noisy_p50_wait_s": rnd(percentile(waits(noisy), 50)),
+        "noisy_p99_wait_s": rnd(percentile(waits(noisy), 99)),
+        "noisy_makespan_s": rnd(makespan, 3),
+        "utilization": rnd(util, 4),
+        "jobs_per_s": rnd(len(records) / (last - first), 2) if last > first else None,
+        "jobs": len(records),
+        "mean_job_s": rnd(sum(r["seconds"] for r in records) / len(records)) if records else None,
+        # Context for reading the figures above.
+        "quiet_jobs": len(quiet),
+        "noisy_jobs": len(noisy),
+        "backlog_s": round(backlog_s, 3),
+        "wall_s": round(last - first, 3),
+        "failed": sum(1 for r in records if not r.get("ok", True)),
+    }
+
+
+def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's four targets; `met` is None when a mode they need was not run."""
+    fifo, iso, fair, nb = (modes.get(m) for m in MODES)
+    out: dict[str, Any] = {}
+
+    def get(m: dict[str, Any] | None, k: str) -> float | None:
+        return None if m is None else m.get(k)
+
+    f99, q99, n99 = get(fair, "quiet_p99_wait_s"), get(fifo, "quiet_p99_wait_s"), get(nb, "quiet_p99_wait_s")
+    ratio = (q99 / f99 if f99 else math.inf) if (f99 is not None and q99 is not None) else None
+    out["quiet_p99_vs_fifo"] = {
+        "target": "fair quiet P99 wait <= fifo quiet P99 wait / 20",
+        "fair": f99,
+        "fifo": q99,
+        "ratio_fifo_over_fair": None if ratio is None else (round(ratio, 1) if math.isfinite(ratio) else "inf"),
+        "met": None if ratio is None else ratio >= 20,
+    }
+    mean_job = get(fair, "mean_job_s")
+    bound = None if (n99 is None or mean_job is None) else round(n99 + mean_job, 4)
+    out["quiet_p99_vs_no_burst"] = {
+        "target": "fair quiet P99 wait <= fair_no_burst quiet P99 wait + one mean job duration",
+        "fair": f99,
+        "fair_no_burst": n99,
+        "mean_job_s": mean_job,
+        "bound": bound,
+        "met": None if (bound is None or f99 is None) else f99 <= bound,
+    }
+    fu, iu = get(fair, "utilization"), get(iso, "utilization")
+    out["utilization"] = {
+        "target": "fair utilisation while a backlog exists >= 0.9 and above isolation's",
+        "fair": fu,
+        "isolation": iu,
+        "met": None if (fu is None or iu is None) else (fu >= 0.9 and fu > iu),
+    }
+    fm, qm = get(fair, "noisy_makespan_s"), get(fifo, "noisy_makespan_s")
+    mratio = None if (fm is None or not qm) else fm / qm
+    out["noisy_makespan"] = {
+        "target": "fair noisy makespan <= 1.1 x fifo's",
+        "fair": fm,
+        "fifo": qm,
+        "ratio_fair_over_fifo": None if mratio is None else round(mratio, 3),
+        "met": None if mratio is None else mratio <= 1.1,
+    }
+    return out
+
+
+# --- orchestration (the bench process) -------------------------------------------------------------
+
+
+def run(
+    *,
+    redis_url: str = stack.DEFAULT_REDIS_URL,
+    preset: str = "default",
+    modes: Sequence[str] = MODES,
+    force: bool = False,
+    plot_path: str | None = None,
+    seed: int | None = None,
+    log: Log = print,
+) -> dict[str, Any]:
+    """Run every mode on a fresh stack; return the result document."""
+    workload = PRESETS[preset]
+    if seed is not None:
+        workload = replace(workload, seed=seed)
+    stack.redis_db_prepare(redis_url, force=force)
+    work_dir = stack.BENCH_DIR
+    work_dir.mkdir(parents=True, exist_ok=True)
+    template = work_dir / "noisy-template.sqlite3"
+    started = time.monotonic()
+    log(f"bench noisy ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots, seed {workload.seed}")
+    stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
+    results: dict[str, dict[str, Any]] = {}
+    raw: dict[str, list[dict[str, Any]]] = {}
+    traces: dict[str, Any] = {}
+    try:
+        for mode in modes:
+            t0 = time.monotonic()
+            stack.redis_db_flush(redis_url)
+            db_path = work_dir / f"noisy-{mode}.sqlite3"
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+            db_path.write_bytes(template.read_bytes())
+            env = stack.stack_env(redis_url=redis_url, db_path=db_path)
+            with tempfile.TemporaryDirectory() as tmp:
+                spec = Path(tmp) / "spec.json"
+                out = Path(tmp) / "out.json"
+                spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload)}))
+                stack.run_child(
+                    "fairqueue.bench.noisy", ["--child", str(spec), str(out)], env=env, timeout=_timeout(workload)
+                )
+                child = json.loads(out.read_text())
+            raw[mode] = child["records"]
+            results[mode] = mode_metrics(child["records"], slots=workload.slots)
+            results[mode]["trace"] = child.get("trace_summary")
+            traces[mode] = child.get("trace", [])
+            log(f"  {mode:<14} {len(child['records'])} jobs in {time.monotonic() - t0:.1f}s")
+    finally:
+        stack.redis_db_flush(redis_url)
+    trace_path = work_dir / "noisy-trace.json"
+    trace_path.write_text(json.dumps(traces) + "\n")
+    doc: dict[str, Any] = {
+        "modes": results,
+        "workload": {**asdict(workload), "preset": preset, "slots": workload.slots, "jobs_planned": None},
+        "definitions": {
+            "wait": "started - submitted (FairQueue: Job.started_at - Job.submitted_at)",
+            "utilization": f"busy slot-seconds (task bodies) inside backlog periods / (slots x backlog seconds); "
+            f"a job is backlogged from submitted + {BACKLOG_GRACE_S}s until it starts",
+            "makespan": "last noisy finish - first noisy submit",
+            "jobs_per_s": "jobs / (last finish - first submit)",
+        },
+        "targets": targets_check(results),
+        "trace_path": str(trace_path),
+        "elapsed_s": round(time.monotonic() - started, 1),
+    }
+    doc["workload"]["jobs_planned"] = len(workload_plan(workload))
+    doc["all_targets_met"] = all(t["met"] for t in doc["targets"].values()) if results else False
+    for line in report_lines(doc):
+        log(line)
+    if plot_path:
+        plot(raw, plot_path, title=f"bench noisy ({preset}, seed {workload.seed})")
+        log(f"wrote {plot_path}")
+    return doc
+
+
+def _timeout(w: Workload) -> float:
+    # Worst case is isolation: the noisy tenant drains on its fixed share alone.
+    share = max(w.slots // w.tenants, 1)
+    return 120 + w.steady_s + 3 * w.burst_jobs * w.mean_job_s / share
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3f}"
+    return str(x)
+
+
+def report_lines(doc: dict[str, Any]) -> list[str]:
+    cols = [
+        ("quiet_p50_wait_s", "quiet p50"),
+        ("quiet_p99_wait_s", "quiet p99"),
+        ("noisy_p50_wait_s", "noisy p50"),
+        ("noisy_p99_wait_s", "noisy p99"),
+        ("noisy_makespan_s", "noisy makespan"),
+        ("utilization", "util (backlog)"),
+        ("jobs_per_s", "jobs/s"),
+        ("jobs", "jobs"),
+        ("mean_job_s", "mean job"),
+    ]
+    widths = [max(len(h), 8) for _, h in cols]
+    lines = ["", f"{'mode':<14} " + " ".join(f"{h:>{w}}" for (_, h), w in zip(cols, widths, strict=True))]
+    for mode, m in doc["modes"].items():
+        lines.append(f"{mode:<14} " + " ".join(f"{_fmt(m[k]):>{w}}" for (k, _), w in zip(cols, widths, strict=True)))
+    lines.append("(waits and makespan in seconds)")
+    lines.append("")
+    for name, t in doc["targets"].items():
+        verdict = {True: "PASS", False: "MISS", None: "n/a "}[t["met"]]
+        detail = ", ".join(f"{k}={_fmt(v)}" for k, v in t.items() if k not in ("target", "met"))
+        lines.append(f"{verdict} {name}: {t['target']} ({detail})")
+    return lines
+
+
+def plot(raw: dict[str, list[dict[str, Any]]], path: str, *, title: str) -> None:
+    """Wait distributions (empirical CDFs, log time axis) per mode, one panel per tenant kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, kind in zip(axes, ("steady tenants", "noisy tenant"), strict=True):
+        for mode, records in raw.items():
+            rs = [r for r in records if (r["tenant"] == NOISY_SLUG) == (kind == "noisy tenant")]
+            if not rs:
+                continue
+            w = np.sort(np.maximum([r["started"] - r["submitted"] for r in rs], 1e-3))
+            ax.step(w, np.arange(1, len(w) + 1) / len(w), where="post", label=f"{mode} (n={len(w)})")
+        ax.set_xscale("log")
+        ax.set_xlabel("queue wait, submit to start (s, log)")
+        ax.set_title(kind)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.axhline(0.99, color="grey", lw=0.6, ls=":")
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0].set_ylabel("fraction of jobs")
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- one mode (the child process, Django configured for its own stack) -----------------------------
+
+
+def _policy_setup(mode: str, w: Workload) -> None:
+    from tenants.models import PoolSettings, Shard, Tenant
+    from tenants.sync import policy_sync_all
+
+    shard = Shard.objects.create(name=SHARD_NAME, capacity=SHARD_CAPACITY)
+    slugs = [f"{QUIET_PREFIX}{i + 1}" for i in range(w.quiet_tenants)] + [NOISY_SLUG]
+    pool = PoolSettings.load()
+    if mode == "isolation":
+        share = max(w.slots // w.tenants, 1)
+        for slug in slugs:
+            Tenant.objects.create(
+                slug=slug, name=slug, shard=shard, floor=share, burst_floor=0, burst_pct=0.0, max_concurrency=share
+            )
+        pool.f_min = pool.f_max = 1.0
+    else:  # fair, fair_no_burst (fifo never reads policy, but the rows do no harm)
+        for slug in slugs:
+            Tenant.objects.create(slug=slug, name=slug, shard=shard)
+    pool.save()
+    policy_sync_all()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fifo_submitted: dict[str, tuple[str, float, float]] = {}  # id -> (tenant, submitted, seconds)
+        self.errors: list[str] = []
+
+
+def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
+    """Submit the plan in real time: a thread per steady tenant, one for the burst."""
+    from django.db import connections
+
+    from fairqueue.bench.tasks import PLAIN_TASK_NAME
+    from fairqueue.celery import app
+    from fairqueue.jobs.services import JobRequest, job_submit, job_submit_bulk
+    from tenants.models import Tenant
+
+    tenants = {t.slug: t for t in Tenant.objects.select_related("shard")}
+    start = time.time() + 0.5
+
+    def wait_until(at: float) -> None:
+        delay = start + at - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+    def fifo_send(tenant: str, seconds: float) -> None:
+        job_id = uuid.uuid4().hex
+        submitted = time.time()
+        app.send_task(PLAIN_TASK_NAME, args=[job_id, seconds], queue=FIFO_QUEUE)
+        with rec.lock:
+            rec.fifo_submitted[job_id] = (tenant, submitted, seconds)
+
+    def steady(items: list[Planned]) -> None:
+        try:
+            for p in items:
+                wait_until(p.at)
+                if mode == "fifo":
+                    fifo_send(p.tenant, p.seconds)
+                else:
+                    job_submit(tenant=tenants[p.tenant], req=JobRequest(task="demo.sleep", args={"seconds": p.seconds}))
+        except Exception as exc:  # surfaced by the child's exit status
+            rec.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            connections.close_all()
+
+    def burst(items: list[Planned]) -> None:
+        try:
+            chunks: dict[int, list[Planned]] = {}
+            for p in items:
+                chunks.setdefault(p.chunk, []).append(p)
+            for _, chunk in sorted(chunks.items()):
+                wait_until(chunk[0].at)
+                if mode == "fifo":
+                    for p in chunk:
+                        fifo_send(p.tenant, p.seconds)
+                else:
+                    job_submit_bulk(
+                        tenant=tenants[NOISY_SLUG],
+                        reqs=[JobRequest(task="demo.sleep", args={"seconds": p.seconds}) for p in chunk],
+                    )
+        except Exception as exc:
+            rec.errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            connections.close_all()
+
+    by_tenant: dict[str, list[Planned]] = {}
+    for p in plan:
+        by_tenant.setdefault(p.tenant, []).append(p)
+    threads = [
+        threading.Thread(target=burst if slug == NOISY_SLUG else steady, args=(items,), name=f"bench-{slug}")
+        for slug, items in by_tenant.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+class _Tracer(threading.Thread):
+    """Samples each tenant's limit, holders and parked count, and the fleet's in-flight."""
+
+    def __init__(self, slugs: list[str]) -> None:
+        super().__init__(name="bench-tracer", daemon=True)
+        self.slugs = slugs
+        self.samples: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from fairqueue.jobs.admission import shard_tag, tenant_key
+        from fairqueue.jobs.runtime import engine
+        from fairqueue.jobs.worker import fleet_read
+
+        while not self.stop.wait(TRACE_INTERVAL_S):
+            try:
+                sample: dict[str, Any] = {"t": round(time.time(), 3), "fleet": fleet_read(), "tenants": {}}
+                for slug in self.slugs:
+                    k = engine().inspect_key(tag=shard_tag(SHARD_NAME), key=tenant_key(slug))
+                    sample["tenants"][slug] = {"limit": k.limit, "held": k.held, "parked": k.waiting}
+                self.samples.append(sample)
+            except Exception as exc:  # a trace gap is not worth failing the run for
+                self.samples.append({"t": time.time(), "error": str(exc)})
+
+
+def _trace_summary(samples: list[dict[str, Any]], slots: int) -> dict[str, Any] | None:
+    """While the noisy tenant has parked jobs: its mean limit and holders, the pool's in-flight."""
+    rows = [s for s in samples if "tenants" in s and s["tenants"].get(NOISY_SLUG, {}).get("parked", 0) > 0]
+    if not rows:
+        return None
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs), 2)
+
+    return {
+        "samples_with_noisy_parked": len(rows),
+        "noisy_limit_mean": mean([s["tenants"][NOISY_SLUG]["limit"] or 0 for s in rows]),
+        "noisy_held_mean": mean([s["tenants"][NOISY_SLUG]["held"] for s in rows]),
+        "noisy_parked_max": max(s["tenants"][NOISY_SLUG]["parked"] for s in rows),
+        "pool_held_mean": mean([sum(t["held"] for t in s["tenants"].values()) for s in rows]),
+        "pool_busy_mean": mean([s["fleet"]["busy"] for s in rows]),
+        "slots": slots,
+    }
+
+
+def _fairqueue_records() -> list[dict[str, Any]]:
+    from datetime import datetime
+
+    from fairqueue.jobs.models import Job, JobStatus
+
+    out = []
+    for j in Job.objects.values("tenant__slug", "submitted_at", "started_at", "finished_at", "status", "args", "result"):
+        result = j["result"] or {}
+        run_started = datetime.fromisoformat(result["started"]).timestamp() if "started" in result else None
+        run_finished = datetime.fromisoformat(result["finished"]).timestamp() if "finished" in result else None
+        started = j["started_at"].timestamp() if j["started_at"] else None
+        finished = j["finished_at"].timestamp() if j["finished_at"] else None
+        out.append(
+            {
+                "tenant": j["tenant__slug"],
+                "seconds": j["args"].get("seconds", 0.0),
+                "submitted": j["submitted_at"].timestamp(),
+                "started": started,
+                "finished": finished,
+                "run_started": run_started if run_started is not None else started,
+                "run_finished": run_finished if run_finished is not None else finished,
+                "ok": j["status"] == JobStatus.SUCCEEDED,
+            }
+        )
+    return out
+
+
+def _fifo_records(rec: _Recorder) -> list[dict[str, Any]]:
+    from fairqueue.bench.tasks import RUNS_KEY
+    from fairqueue.jobs.runtime import redis_client
+
+    runs = redis_client().hgetall(RUNS_KEY)
+    out = []
+    for job_id, (tenant, submitted, seconds) in rec.fifo_submitted.items():
+        started, finished, _worker = runs[job_id].split(",", 2)
+        out.append(
+            {
+                "tenant": tenant,
+                "seconds": seconds,
+                "submitted": submitted,
+                "started": float(started),
+                "finished": float(finished),
+                "run_started": float(started),
+                "run_finished": float(finished),
+                "ok": True,
+            }
+        )
+    return out
+
+
+def _wait_done(mode: str, expected: int, rec: _Recorder, timeout: float) -> None:
+    from fairqueue.bench.tasks import RUNS_KEY
+    from fairqueue.jobs.models import TERMINAL_STATUSES, Job
+    from fairqueue.jobs.runtime import redis_client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if mode == "fifo":
+            done = redis_client().hlen(RUNS_KEY)
+        else:
+            done = Job.objects.filter(status__in=TERMINAL_STATUSES).count()
+        if done >= expected:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"{mode}: only {done} of {expected} jobs finished within {timeout:.0f}s")
+
+
+def child_main(spec_path: str, out_path: str) -> None:
+    import django
+
+    django.setup()
+    spec = json.loads(Path(spec_path).read_text())
+    mode: str = spec["mode"]
+    w = Workload(**spec["workload"])
+    plan = workload_plan(w)
+    if mode == "fair_no_burst":
+        plan = [p for p in plan if p.tenant != NOISY_SLUG]
+    _policy_setup(mode, w)
+    log_dir = stack.BENCH_DIR / "logs" / mode
+    env = dict(os.environ)
+    rec = _Recorder()
+    tracer = None
+    with stack.Workers(count=w.workers, slots=w.slots_per_worker, env=env, log_dir=log_dir, name=f"bench-{mode}-"):
+        time.sleep(1.5)  # let every worker's heartbeat and first tick land (fleet size known)
+        if mode != "fifo":
+            tracer = _Tracer([f"{QUIET_PREFIX}{i + 1}" for i in range(w.quiet_tenants)] + [NOISY_SLUG])
+            tracer.start()
+        _drive(mode, plan, rec)
+        if rec.errors:
+            raise RuntimeError(f"{mode}: submitting failed: {rec.errors[:3]}")
+        _wait_done(mode, len(plan), rec, timeout=_timeout(w))
+        if tracer:
+            tracer.stop.set()
+            tracer.join(2)
+    records = _fifo_records(rec) if mode == "fifo" else _fairqueue_records()
+    samples = tracer.samples if tracer else []
+    Path(out_path).write_text(
+        json.dumps({"mode": mode, "records": records, "trace": samples, "trace_summary": _trace_summary(samples, w.slots)})
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "--child":
+        raise SystemExit("usage: python -m fairqueue.bench.noisy --child SPEC.json OUT.json (used by bench noisy)")
+    child_main(sys.argv[2], sys.argv[3])

@@ -1,0 +1,210 @@
+"""Start and stop the real stack for a benchmark: fresh SQLite file, a dedicated Redis
+database, `manage.py worker` processes and (for the submit path) daphne.
+
+Everything here works on explicit URLs and environments, never on this process's
+settings, so one orchestrating process can run several isolated stacks in a row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = ROOT / "var" / "bench"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/8"
+SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY (not imported: no Django needed here)
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def redis_db_prepare(url: str, *, force: bool) -> None:
+    """Empty the bench's Redis database; refuse if it holds data unless forced."""
+    client = redis.Redis.from_url(url)
+    size = client.dbsize()
+    if size and not force:
+        raise StackError(
+            f"Redis at {url} holds {size} keys; the benchmark flushes its database. "
+            "Point --redis-url at an empty database or pass --force."
+        )
+    client.flushdb()
+
+
+def redis_db_flush(url: str) -> None:
+    redis.Redis.from_url(url).flushdb()
+
+
+def stack_env(*, redis_url: str, db_path: Path, **extra: str) -> dict[str, str]:
+    """Environment for every process of one stack: its Redis database and SQLite file."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "DATABASE_URL": f"sqlite:///{db_path}",
+            "FAIRQUEUE_DEMO": "1",
+            "DJANGO_SETTINGS_MODULE": "fairqueue.settings",
+            "LOG_LEVEL": "WARNING",
+            "FAIRQUEUE_LOG_LEVEL": "WARNING",
+        }
+    )
+    env.update(extra)
+    return env
+
+
+def fresh_database(db_path: Path, env: dict[str, str]) -> None:
+    """Delete the SQLite file (and its WAL) and migrate a new one."""
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise StackError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
+
+
+class Workers:
+    """`count` real `manage.py worker` processes with `slots` thread slots each."""
+
+    def __init__(self, *, count: int, slots: int, env: dict[str, str], log_dir: Path, name: str = "bench") -> None:
+        self.count = count
+        self.slots = slots
+        self.env = env
+        self.log_dir = log_dir
+        self.hostnames = [f"{name}{i}-{uuid.uuid4().hex[:6]}@localhost" for i in range(count)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def total_slots(self) -> int:
+        return self.count * self.slots
+
+    def start(self, *, timeout: float = 60.0) -> Workers:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for hostname in self.hostnames:
+            log = (self.log_dir / f"{hostname.split('@')[0]}.log").open("wb")
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "manage.py",
+                        "worker",
+                        f"--concurrency={self.slots}",
+                        "--pool=threads",
+                        f"--hostname={hostname}",
+                        "-l",
+                        "warning",
+                    ],
+                    cwd=ROOT,
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(client.zscore(SEEN_KEY, h) is not None for h in self.hostnames):
+                return self
+            for proc, hostname in zip(self.procs, self.hostnames, strict=True):
+                if proc.poll() is not None:
+                    self.stop()
+                    raise StackError(f"worker {hostname} exited early; see {self.log_dir}")
+            time.sleep(0.1)
+        self.stop()
+        raise StackError(f"workers did not register within {timeout}s; see {self.log_dir}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs = []
+
+    def __enter__(self) -> Workers:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WebServer:
+    """daphne serving fairqueue.asgi on a free local port."""
+
+    def __init__(self, *, env: dict[str, str], log_dir: Path, port: int | None = None) -> None:
+        self.env = env
+        self.port = port or free_port()
+        self.log_path = log_dir / "web.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *, timeout: float = 30.0) -> WebServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "fairqueue.asgi:application"],
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise StackError(f"daphne exited early; see {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise StackError(f"daphne did not listen within {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __enter__(self) -> WebServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_child(module: str, args: list[str], *, env: dict[str, str], timeout: float) -> None:
+    """Run `python -m module args` in the stack's environment (its own Django settings)."""
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=timeout)
+    if done.returncode:
+        raise StackError(f"{module} {' '.join(args)} failed with exit code {done.returncode}")

@@ -1,0 +1,51 @@
+"""``python manage.py bench <name>``: benchmarks, one subcommand each (``engine`` now;
+``noisy`` and ``submit`` plug in as further subparsers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+
+class Command(BaseCommand):
+    help = "Run a FairQueue benchmark and print (and optionally write as JSON) its figures."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        subparsers = parser.add_subparsers(dest="bench", required=True, metavar="{engine,noisy,submit}")
+        engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
+        engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
+        engine.add_argument(
+            "--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database (flushed afterwards)"
+        )
+        engine.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): shape, not figures")
+        from fairqueue.bench import noisy, submit
+
+        noisy.add_arguments(subparsers.add_parser("noisy", help="noisy neighbour: fifo vs isolation vs fair"))
+        submit.add_arguments(subparsers.add_parser("submit", help="jobs accepted/s: REST single, bulk, send_task"))
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["bench"] == "engine":
+            from fairqueue.bench.engine_bench import run
+
+            try:
+                result = run(options["redis_url"], quick=options["quick"], log=self.stdout.write)
+            except RuntimeError as exc:
+                raise CommandError(str(exc)) from exc
+        elif options["bench"] in ("noisy", "submit"):
+            from fairqueue.bench import noisy, submit
+
+            module = noisy if options["bench"] == "noisy" else submit
+            try:
+                result = module.run_command(options, log=self.stdout.write)
+            except RuntimeError as exc:
+                raise CommandError(str(exc)) from exc
+        else:  # pragma: no cover - argparse rejects unknown names
+            raise CommandError(f"unknown benchmark {options['bench']!r}")
+        if options.get("json_path"):
+            path = Path(options["json_path"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            self.stdout.write(f"wrote {path}")
