@@ -1,5 +1,9 @@
-"""Websocket routes (filled by the dashboard issue)."""
+"""Websocket routes of the dashboard."""
 
-from django.urls import URLPattern
+from django.urls import URLPattern, path
 
-websocket_urlpatterns: list[URLPattern] = []
+from dashboard.consumers import DashboardConsumer
+
+websocket_urlpatterns: list[URLPattern] = [
+    path("ws/dashboard/", DashboardConsumer.as_asgi()),
+]

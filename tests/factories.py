@@ -16,13 +16,15 @@ def make_tenant(
     active: bool = True,
     shard_name: str = "default",
     floor: int = 2,
+    shard_capacity: int = 100,
+    **fields: object,
 ) -> tuple[Tenant, str]:
     """Create a tenant with an API key and return (tenant, raw_key).
 
     In a TestCase, wrap the call in `self.captureOnCommitCallbacks(execute=True)` so the
     policy is mirrored into Redis; the cached policy snapshot is dropped either way.
     """
-    shard, _ = Shard.objects.get_or_create(name=shard_name, defaults={"capacity": 100})
+    shard, _ = Shard.objects.get_or_create(name=shard_name, defaults={"capacity": shard_capacity})
     if max_concurrency is not None:
         floor = min(floor, max_concurrency)
     tenant = Tenant(
@@ -33,6 +35,7 @@ def make_tenant(
         max_concurrency=max_concurrency,
         batch_enabled=batch_enabled,
         active=active,
+        **fields,
     )
     raw_key = tenant.rotate_api_key()
     with transaction.atomic():

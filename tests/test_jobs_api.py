@@ -17,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.test import Client, override_settings
 
+from fairqueue.jobs.admission import tenant_key
 from fairqueue.jobs.models import Job, JobStatus
 from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase
@@ -387,7 +388,9 @@ class ParkedTests(ApiTestCase):
             detail = self.job(job["id"])
             self.assertEqual(detail["status"], "parked")
             self.assertEqual(
-                detail["waiting_on"], {"key": "t:narrow", "limit": 1, "holders": 1, "position": position}, detail
+                detail["waiting_on"],
+                {"key": tenant_key("narrow"), "limit": 1, "holders": 1, "position": position},
+                detail,
             )
 
     def test_cancel_a_parked_job_moves_the_next_one_up(self) -> None:

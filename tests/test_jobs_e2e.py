@@ -12,7 +12,7 @@ from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from tenants.models import Shard, Tenant
 from tenants.policy import policy_invalidate
 from tests.base import RedisTransactionTestCase
-from tests.workers import WorkerProcess, wait_for
+from tests.workers import WorkerProcess, kill_all_workers, wait_for
 
 
 def _tenant(slug: str, **fields: object) -> tuple[Tenant, str]:
@@ -30,6 +30,10 @@ class E2EBase(RedisTransactionTestCase):
         super().setUp()
         policy_invalidate()
         self.client = Client()
+
+    def tearDown(self) -> None:
+        kill_all_workers()
+        super().tearDown()
 
     def submit(self, key: str, body: dict[str, object]) -> dict[str, object]:
         resp = self.client.post(

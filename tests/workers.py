@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -34,6 +35,18 @@ def worker_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+_started: list[WorkerProcess] = []
+
+
+def kill_all_workers() -> None:
+    """Kill every worker a test started, even ones a failed assertion left running."""
+    while _started:
+        _started.pop().kill()
+
+
+atexit.register(kill_all_workers)
+
+
 class WorkerProcess:
     """One `manage.py worker` subprocess with `slots` thread slots."""
 
@@ -62,6 +75,7 @@ class WorkerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+        _started.append(self)
         client = redis.Redis.from_url(settings.REDIS_URL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -13,8 +13,12 @@ from fairqueue.engine import KeyLimit
 from tenants.limits import LimitBreakdown, tenant_limit
 from tenants.policy import PolicySnapshot, TenantPolicy
 
-SHARD_KEY = "shard"
-BATCH_KEY = "batch"  # per shard: capacity that would otherwise sit idle
+# The engine takes a job's keys in sorted-name order and keeps what it holds while it waits
+# for the next. The leading digit makes that order narrowest-first: a job parked on its
+# sub-tenant holds nothing of its tenant, and one parked on its tenant holds no shard slot,
+# so waiting jobs never eat the shared capacity of wider keys (or inflate in-flight counts).
+SHARD_KEY = "3:shard"
+BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
 BATCH_PRIORITY = 0
 
 
@@ -24,11 +28,11 @@ def shard_tag(shard: str) -> str:
 
 
 def tenant_key(slug: str) -> str:
-    return f"t:{slug}"
+    return f"2:t:{slug}"
 
 
 def sub_tenant_key(slug: str, external_id: str) -> str:
-    return f"st:{slug}:{external_id}"
+    return f"1:st:{slug}:{external_id}"
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,8 @@ def _jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, 
             priority=job.priority,
             signals=live.live_signals(tenant_slug=tp.slug),
             batch=job.in_batch_lane,
-            batch_limit=live.fleet_state().batch_limit(tp.shard) if job.in_batch_lane else 0,
+            # Batch work must see the pool as it is now, not as cached a second ago.
+            batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if job.in_batch_lane else 0,
         )
         items.append(
             AdmitRequest(

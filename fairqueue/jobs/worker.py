@@ -23,7 +23,7 @@ WORKERS_KEY = "fq:workers:slots"  # HASH hostname -> slots
 SEEN_KEY = "fq:workers:seen"  # ZSET hostname -> last heartbeat (unix s)
 BUSY_KEY = "fq:workers:busy"  # HASH hostname -> running jobs
 BUSY_BATCH_KEY = "fq:workers:busy_batch"  # HASH hostname -> running batch-lane jobs
-TICK_SECONDS = 1.0
+TICK_SECONDS = 0.5  # jittered 0.25-0.75 s: admin edits reach workers within a second
 HEARTBEAT_SECONDS = 1.0
 WORKER_TTL_SECONDS = 6.0
 

@@ -1,0 +1,147 @@
+"""FairQueue's own Prometheus collector: reads Redis (and one DB aggregate) at scrape time.
+
+Workers increment nothing for these gauges: each scrape reads the same snapshot the
+dashboard shows (`dashboard.snapshot.snapshot_build`, without history) plus the fleet-wide
+counters and histograms the processes fold into `fq:stats`, cached for CACHE_SECONDS so a
+burst of scrapes costs one read. Labels are bounded: tenants come from the current
+policy (a deleted tenant's series disappear on the next scrape), cells from the shards
+and latency classes in policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import (
+    REGISTRY,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from fairqueue.jobs import stats
+
+log = logging.getLogger("fairqueue.dashboard")
+
+CACHE_SECONDS = 1.5
+FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+def _histogram(name: str, doc: str, cells: dict[str, float], kind: str) -> HistogramMetricFamily:
+    """Cumulative buckets from the per-bucket (non-cumulative) cells of the stats hash."""
+    buckets: list[tuple[str, float]] = []
+    running = 0.0
+    for le in stats.LATENCY_BUCKETS:
+        running += cells.get(f"{kind}:bucket:{le!r}", 0.0)
+        buckets.append((floatToGoString(le), running))
+    running += cells.get(f"{kind}:bucket:+Inf", 0.0)
+    # The count is the +Inf bucket by definition; keep them equal even mid-flush.
+    buckets.append(("+Inf", max(running, cells.get(f"{kind}:count", 0.0))))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=cells.get(f"{kind}:sum", 0.0))
+
+
+def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Metric]:
+    """The metric families for one snapshot and one read of the stats hash."""
+    in_flight = GaugeMetricFamily("fairqueue_tenant_in_flight", "Jobs holding a tenant's slots.", labels=["tenant"])
+    limit = GaugeMetricFamily("fairqueue_tenant_limit", "A tenant's current concurrency limit.", labels=["tenant"])
+    parked = GaugeMetricFamily("fairqueue_tenant_parked", "A tenant's jobs parked for a slot.", labels=["tenant"])
+    for t in snapshot["tenants"]:
+        in_flight.add_metric([t["slug"]], t["in_flight"])
+        limit.add_metric([t["slug"]], t["limit"])
+        parked.add_metric([t["slug"]], t["parked"])
+    oldest = GaugeMetricFamily(
+        "fairqueue_queue_oldest_wait_seconds",
+        "Age of the oldest job not yet started per shard and latency class (0 when none waits).",
+        labels=["shard", "class"],
+    )
+    objective = GaugeMetricFamily(
+        "fairqueue_queue_objective_seconds", "Latency objective of the class.", labels=["shard", "class"]
+    )
+    waiting = GaugeMetricFamily(
+        "fairqueue_queue_waiting", "Jobs not yet started per shard and latency class.", labels=["shard", "class"]
+    )
+    for c in snapshot["cells"]:
+        labels = [c["shard"], c["class"]]
+        oldest.add_metric(labels, c["oldest_age_s"] or 0.0)
+        objective.add_metric(labels, c["objective_s"])
+        waiting.add_metric(labels, c["waiting"])
+    pool = snapshot["pool"]
+    finished = CounterMetricFamily("fairqueue_jobs_finished", "Jobs finished, by final status.", labels=["status"])
+    statuses = sorted(set(FINISHED_STATUSES) | {k.split(":", 1)[1] for k in cells if k.startswith("finished:")})
+    for status in statuses:
+        finished.add_metric([status], cells.get(f"finished:{status}", 0.0))
+    return [
+        in_flight,
+        limit,
+        parked,
+        oldest,
+        objective,
+        waiting,
+        GaugeMetricFamily("fairqueue_worker_slots", "Worker slots of live workers.", value=pool["slots"]),
+        GaugeMetricFamily("fairqueue_worker_slots_busy", "Worker slots running a job.", value=pool["busy"]),
+        GaugeMetricFamily(
+            "fairqueue_worker_slots_busy_batch", "Worker slots running batch-lane work.", value=pool["busy_batch"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_slot_utilisation_nonbatch",
+            "Busy slots excluding batch work over all slots (the autoscaling signal).",
+            value=pool["utilisation"],
+        ),
+        _histogram("fairqueue_admit_latency_seconds", "Engine admit call latency.", cells, "admit"),
+        _histogram("fairqueue_release_latency_seconds", "Engine release call latency.", cells, "release"),
+        CounterMetricFamily("fairqueue_jobs_submitted", "Jobs accepted.", value=cells.get("submitted", 0.0)),
+        finished,
+    ]
+
+
+class FairQueueCollector:
+    """Registered once on the default registry (see DashboardConfig.ready)."""
+
+    def __init__(self, cache_seconds: float = CACHE_SECONDS) -> None:
+        self.cache_seconds = cache_seconds
+        self._lock = threading.Lock()
+        self._cached: list[Metric] = []
+        self._at = float("-inf")
+
+    def describe(self) -> list[Metric]:
+        # Present so registering does not call collect() (which reads Redis) at startup.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            if time.monotonic() - self._at >= self.cache_seconds:
+                from dashboard.snapshot import snapshot_build
+
+                try:
+                    self._cached = metrics_build(snapshot_build(with_history=False), stats.stats_read())
+                except Exception:
+                    # A scrape must not fail because Redis blinked; report what is known.
+                    log.exception("fairqueue metrics collection failed")
+                    self._cached = []
+                self._at = time.monotonic()
+            yield from self._cached
+
+    def invalidate(self) -> None:
+        """Forget the cache (tests)."""
+        with self._lock:
+            self._at = float("-inf")
+
+
+_collector: FairQueueCollector | None = None
+_register_lock = threading.Lock()
+
+
+def collector_register() -> FairQueueCollector:
+    """Register the collector on the default registry exactly once per process."""
+    global _collector
+    with _register_lock:
+        if _collector is None:
+            _collector = FairQueueCollector()
+            REGISTRY.register(_collector)
+        return _collector

@@ -1,0 +1,153 @@
+// Live queue dashboard: one websocket, rebuilt tables on every snapshot, SVG sparklines.
+// Reconnects by itself with capped exponential backoff and shows a banner while down.
+(function () {
+  "use strict";
+  var script = document.currentScript;
+  var wsPath = (script && script.dataset.wsPath) || "/ws/dashboard/";
+  var banner = document.getElementById("conn-banner");
+  var connState = document.getElementById("conn-state");
+  var attempt = 0;
+  var socket = null;
+
+  function fmtAge(s) {
+    if (s === null || s === undefined) return "—";
+    if (s < 60) return s.toFixed(1) + " s";
+    if (s < 3600) return (s / 60).toFixed(1) + " min";
+    return (s / 3600).toFixed(1) + " h";
+  }
+  function pct(x) { return (x * 100).toFixed(1) + " %"; }
+  function el(tag, attrs, text) {
+    var e = document.createElement(tag);
+    if (attrs) Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  function setText(id, text) { document.getElementById(id).textContent = text; }
+
+  var SVG = "http://www.w3.org/2000/svg";
+  function sparkline(values, objective) {
+    var w = 120, h = 28;
+    var svg = document.createElementNS(SVG, "svg");
+    svg.setAttribute("class", "spark");
+    svg.setAttribute("width", w);
+    svg.setAttribute("height", h);
+    svg.setAttribute("viewBox", "0 0 " + w + " " + h);
+    if (!values.length) return svg;
+    var max = Math.max(objective * 2, Math.max.apply(null, values)) || 1;
+    var step = values.length > 1 ? w / (values.length - 1) : w;
+    function y(v) { return (h - 1 - (v / max) * (h - 2)).toFixed(1); }
+    var line = document.createElementNS(SVG, "line");  // the objective
+    line.setAttribute("x1", 0); line.setAttribute("x2", w);
+    line.setAttribute("y1", y(objective)); line.setAttribute("y2", y(objective));
+    line.setAttribute("class", "objective");
+    svg.appendChild(line);
+    var pts = values.map(function (v, i) { return (i * step).toFixed(1) + "," + y(v); }).join(" ");
+    var poly = document.createElementNS(SVG, "polyline");
+    poly.setAttribute("points", pts);
+    poly.setAttribute("class", "age");
+    svg.appendChild(poly);
+    return svg;
+  }
+
+  function renderPool(p) {
+    setText("pool-slots", p.slots);
+    setText("pool-busy", p.busy);
+    setText("pool-in-flight", p.in_flight);
+    setText("pool-batch", p.batch_in_flight);
+    setText("pool-utilisation", pct(p.utilisation));
+    setText("pool-batch-share", pct(p.batch_share));
+    setText("pool-target", p.target);
+    setText("pool-workers", p.workers);
+  }
+
+  function renderGrid(snap) {
+    var grid = document.getElementById("grid");
+    var head = el("tr");
+    head.appendChild(el("th", null, "Shard"));
+    snap.classes.forEach(function (c) { head.appendChild(el("th", null, c)); });
+    grid.tHead.replaceChildren(head);
+    var byKey = {};
+    snap.cells.forEach(function (c) { byKey[c.shard + "\u0000" + c["class"]] = c; });
+    var rows = snap.shards.map(function (shard) {
+      var tr = el("tr");
+      tr.appendChild(el("th", null, shard));
+      snap.classes.forEach(function (cls) {
+        var c = byKey[shard + "\u0000" + cls];
+        var td = el("td", { "class": "cell " + (c ? c.state : ""), "data-shard": shard, "data-class": cls });
+        if (c) {
+          td.appendChild(el("div", { "class": "age" }, fmtAge(c.oldest_age_s)));
+          td.appendChild(el("div", { "class": "sub" }, c.waiting + " waiting · objective " + fmtAge(c.objective_s)));
+          td.appendChild(sparkline(c.history, c.objective_s));
+          td.title = shard + " / " + cls + ": " + c.state;
+        }
+        tr.appendChild(td);
+      });
+      return tr;
+    });
+    grid.tBodies[0].replaceChildren.apply(grid.tBodies[0], rows);
+  }
+
+  function renderTenants(snap) {
+    var body = document.querySelector("#tenants tbody");
+    var rows = snap.tenants.map(function (t) {
+      var tr = el("tr", { "data-tenant": t.slug, "class": t.active ? "" : "inactive" });
+      tr.appendChild(el("td", { "class": "slug" }, t.slug));
+      tr.appendChild(el("td", null, t.shard));
+      tr.appendChild(el("td", { "class": "floor" }, t.floor));
+      tr.appendChild(el("td", { "class": "limit" }, t.limit));
+      var inflight = el("td", { "class": "in-flight" }, t.in_flight);
+      if (t.in_flight >= t.limit && t.parked > 0) inflight.classList.add("throttled");
+      tr.appendChild(inflight);
+      var parts = Object.keys(t.parked_by_class).sort().map(function (k) { return k + " " + t.parked_by_class[k]; });
+      tr.appendChild(el("td", { "class": "parked" }, t.parked + (parts.length ? " (" + parts.join(", ") + ")" : "")));
+      tr.appendChild(el("td", { "class": "oldest" }, fmtAge(t.oldest_wait_s)));
+      tr.appendChild(el("td", { "class": "rate" }, t.rate_per_min.toFixed(1)));
+      tr.appendChild(el("td", { "class": "mean" }, fmtAge(t.mean_job_s)));
+      return tr;
+    });
+    body.replaceChildren.apply(body, rows);
+  }
+
+  function renderRed(snap) {
+    var list = document.getElementById("red-list");
+    if (!snap.red.length) { list.replaceChildren(el("li", { "class": "none" }, "None.")); return; }
+    list.replaceChildren.apply(list, snap.red.map(function (c) {
+      return el("li", null, c.shard + " / " + c["class"] + ": oldest " + fmtAge(c.oldest_age_s) +
+        " (objective " + fmtAge(c.objective_s) + "), " + c.waiting + " waiting");
+    }));
+  }
+
+  function render(snap) {
+    setText("generated-at", new Date(snap.generated_ts * 1000).toLocaleTimeString());
+    renderPool(snap.pool);
+    renderGrid(snap);
+    renderTenants(snap);
+    renderRed(snap);
+  }
+
+  function setConnected(ok, text) {
+    banner.hidden = ok;
+    document.body.classList.toggle("disconnected", !ok);
+    connState.textContent = text;
+  }
+
+  function connect() {
+    var proto = location.protocol === "https:" ? "wss://" : "ws://";
+    socket = new WebSocket(proto + location.host + wsPath);
+    socket.onopen = function () { attempt = 0; setConnected(true, "live"); };
+    socket.onmessage = function (ev) { render(JSON.parse(ev.data)); };
+    socket.onclose = function (ev) {
+      if (ev.code === 4403) {
+        banner.textContent = "Not authorised — log in as staff and reload.";
+        setConnected(false, "refused");
+        return;
+      }
+      var delay = Math.min(30000, 500 * Math.pow(2, attempt)) * (0.75 + Math.random() * 0.5);
+      attempt += 1;
+      banner.textContent = "Disconnected — reconnecting…";
+      setConnected(false, "reconnecting in " + (delay / 1000).toFixed(1) + " s");
+      setTimeout(connect, delay);
+    };
+  }
+  connect();
+})();

@@ -1,0 +1,166 @@
+"""A real browser on the real stack: daphne + a worker + headless Chromium driven by Playwright.
+
+Logs in through the admin as staff, opens /dashboard/, submits jobs through the HTTP API
+and sees the tenant's numbers change without a reload; then restarts the server and sees
+the page say it is disconnected and come back by itself. Screenshot: var/test-output/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+
+from fairqueue.jobs.models import Job
+from tests.base import RedisTransactionTestCase
+from tests.factories import make_tenant
+from tests.workers import LOG_DIR, ROOT, WorkerProcess, worker_env
+
+# Sync Playwright runs an event loop in this thread; the ORM calls of the test itself are safe.
+os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+OUTPUT = ROOT / "var" / "test-output"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daphne:
+    """`python -m daphne` on the test database and Redis."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path: Path = LOG_DIR / f"daphne-{port}.log"
+
+    def start(self, timeout: float = 30.0) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "fairqueue.asgi:application"],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daphne exited early; see {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"daphne did not listen in {timeout}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class DashboardBrowserTests(RedisTransactionTestCase):
+    serialized_rollback = True
+
+    def setUp(self) -> None:
+        super().setUp()
+        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
+        get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+        self.tenant, self.key = make_tenant("acme", max_concurrency=1)
+        self.slow, self.slow_key = make_tenant("slowpoke", max_concurrency=1)
+        self.server = Daphne(free_port())
+        self.server.start()
+        self.addCleanup(self.server.stop)
+        self.base = f"http://127.0.0.1:{self.server.port}"
+
+    def submit(self, n: int, *, key: str = "", seconds: float = 4, priority: str | None = None) -> None:
+        for _ in range(n):
+            body = json.dumps({"task": "demo.sleep", "args": {"seconds": seconds}, "priority": priority}).encode()
+            request = urllib.request.Request(
+                f"{self.base}/api/v1/jobs",
+                data=body,
+                headers={"Content-Type": "application/json", "Authorization": f"Bearer {key or self.key}"},
+                method="POST",
+            )
+            with urllib.request.urlopen(request, timeout=10) as response:
+                self.assertIn(response.status, (200, 202))
+
+    def test_live_dashboard_in_a_real_browser(self) -> None:
+        from playwright.sync_api import expect, sync_playwright
+
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        with WorkerProcess(slots=2), sync_playwright() as pw:
+            # Another tenant, capped at 1, with a job parked behind a long one; it is made to
+            # look 700 s old, past twice the `high` objective (300 s): a red cell.
+            self.submit(2, key=self.slow_key, seconds=60, priority="high")
+            Job.objects.filter(tenant=self.slow).update(submitted_at=timezone.now() - timedelta(seconds=700))
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            try:
+                page.goto(f"{self.base}/admin/login/?next=/dashboard/")
+                page.fill("#id_username", "ops")
+                page.fill("#id_password", "pw-ops-123")
+                page.click("input[type=submit]")
+                page.wait_for_url(f"{self.base}/dashboard/")
+                page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
+
+                row = page.locator("tr[data-tenant=acme]")
+                expect(page.locator("#conn-state")).to_have_text("live", timeout=10_000)
+                expect(row.locator("td.in-flight")).to_have_text("0", timeout=10_000)
+                expect(row.locator("td.parked")).to_have_text("0")
+                expect(row.locator("td.limit")).to_have_text("1")
+                expect(page.locator("#pool-slots")).to_have_text("2", timeout=10_000)
+                cell = page.locator("td.cell[data-shard=default][data-class=high]")
+                expect(cell).to_have_class("cell red")
+                expect(page.locator("#red-list")).to_contain_text("default / high")
+
+                self.submit(3)
+                expect(row.locator("td.in-flight")).to_have_text("1", timeout=10_000)
+                expect(row.locator("td.parked")).to_have_text("2 (default 2)", timeout=10_000)
+                expect(page.locator("#pool-busy")).to_have_text("2", timeout=10_000)  # one each
+                self.assertTrue(page.evaluate("window.__sameDocument === true"), "the page reloaded")
+                page.wait_for_timeout(2500)  # let the sparklines draw a few ticks
+                page.screenshot(path=str(OUTPUT / "dashboard.png"), full_page=True)
+
+                # A server restart: the page says so, then reconnects by itself.
+                self.server.stop()
+                expect(page.locator("#conn-banner")).to_be_visible(timeout=10_000)
+                expect(page.locator("#conn-banner")).to_have_text("Disconnected — reconnecting…")
+                page.screenshot(path=str(OUTPUT / "dashboard-disconnected.png"), full_page=True)
+                self.server.start()
+                expect(page.locator("#conn-banner")).to_be_hidden(timeout=20_000)
+                expect(page.locator("#conn-state")).to_have_text("live")
+                self.assertTrue(page.evaluate("window.__sameDocument === true"), "the page reloaded")
+            except Exception:
+                page.screenshot(path=str(OUTPUT / "dashboard-failure.png"), full_page=True)
+                raise
+            finally:
+                browser.close()

@@ -1,0 +1,226 @@
+"""Dynamic limits on the real stack: pressure sharing, idle expansion, sub-tenants, shards,
+the batch lane, and admin edits reaching running workers."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timedelta
+
+from django.test import Client
+from django.utils import timezone
+
+from fairqueue.jobs import live
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.selectors import tenant_limits_explain
+from fairqueue.jobs.services import JobRequest, job_submit
+from fairqueue.jobs.worker import SEEN_KEY, WORKERS_KEY
+from tenants.models import PoolSettings, SubTenant, Tenant
+from tests.factories import make_tenant
+from tests.test_jobs_e2e import E2EBase, max_overlap
+from tests.workers import WorkerProcess, wait_for
+
+
+def result_intervals(jobs: list[Job]) -> list[tuple[datetime, datetime]]:
+    return [(datetime.fromisoformat(j.result["started"]), datetime.fromisoformat(j.result["finished"])) for j in jobs]
+
+
+class PressureTests(E2EBase):
+    """Limits read off real Redis state: a registered fleet and real engine holds."""
+
+    def register_fleet(self, slots: int) -> None:
+        self.redis.hset(WORKERS_KEY, "fleet@test", slots)
+        self.redis.zadd(SEEN_KEY, {"fleet@test": time.time() + 3600})
+        live.live_invalidate()
+
+    def test_under_saturation_every_limit_shrinks_by_the_same_factor_and_never_below_floor(self) -> None:
+        tenants = [
+            make_tenant("small", floor=1, burst_floor=3)[0],
+            make_tenant("medium", floor=4, burst_pct=1.0)[0],
+            make_tenant("large", floor=10, burst_floor=10)[0],
+        ]
+        self.register_fleet(20)  # pool target 20 * 0.85 = 17
+        idle = {t.slug: tenant_limits_explain(tenant=t) for t in tenants}
+        # Saturate: 34 non-batch jobs hold slots (the admitted backlog of a burst).
+        hog, _ = make_tenant("hog", floor=34, max_concurrency=34)
+        for i in range(34):
+            job_submit(tenant=hog, req=JobRequest(task="demo.sleep", args={"seconds": 60}, idempotency_key=f"h{i}"))
+        live.live_invalidate()
+        busy = {t.slug: tenant_limits_explain(tenant=t) for t in tenants}
+        self.assertEqual(busy["small"]["pool"]["in_flight"], 34)
+        factors = {b["pressure_factor"] for b in busy.values()}
+        self.assertEqual(factors, {0.5})  # 17 / 34, the same for everyone
+        for slug, b in busy.items():
+            self.assertEqual(b["limit"], max(int(b["ceiling"] * 0.5), b["floor"]), slug)
+            self.assertGreaterEqual(b["limit"], b["floor"])
+            self.assertLess(b["limit"], idle[slug]["limit"])
+        self.assertEqual(busy["small"]["limit"], 2)  # ceiling 4 * 0.5
+        self.assertEqual(busy["large"]["limit"], 10)  # 20 * 0.5 = 10, its floor
+
+    def test_a_steady_tenant_earns_a_higher_base_than_a_bursty_one(self) -> None:
+        steady, _ = make_tenant("steady", floor=1)
+        bursty, _ = make_tenant("bursty", floor=1)
+        PoolSettings.objects.filter(pk=1).update(rate_window_seconds=300, default_job_seconds=10)
+        from tenants.sync import policy_sync_all
+
+        policy_sync_all()
+        now = time.time()
+        for bucket in range(1, 11):  # 30 jobs in each of the last ten 30 s intervals
+            live.record_submissions(tenant_slug="steady", count=30, now=now - bucket * 30)
+        live.record_submissions(tenant_slug="bursty", count=300, now=now - 30)  # the same 300 at once
+        live.live_invalidate()
+        s, b = tenant_limits_explain(tenant=steady), tenant_limits_explain(tenant=bursty)
+        self.assertEqual(s["rate_per_min"], 60.0)
+        self.assertEqual(s["base"], 10)  # 60/min x 10 s / 60
+        self.assertEqual(b["base"], 1)  # its floor: a burst earns nothing
+        self.assertGreater(s["limit"], b["limit"])
+
+
+class IdleExpansionTests(E2EBase):
+    def test_with_an_idle_pool_a_bursty_tenant_runs_well_past_its_floor(self) -> None:
+        tenant, key = make_tenant("expander", floor=1, burst_floor=1)  # ceiling 2
+        with WorkerProcess(slots=10):
+            live.live_invalidate()
+            explained = tenant_limits_explain(tenant=tenant)
+            self.assertEqual(explained["pressure_factor"], 4.0)  # idle pool: f_max
+            self.assertEqual(explained["limit"], 8)
+            ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.6}})["id"] for _ in range(16)]
+            jobs = self.wait_all_finished(ids)
+        self.assertGreaterEqual(max_overlap(result_intervals(jobs)), 6)
+        self.assertLessEqual(max_overlap(result_intervals(jobs)), 8)
+
+
+class SubTenantAndShardTests(E2EBase):
+    def test_a_flooding_sub_tenant_is_held_to_its_cap_while_siblings_run(self) -> None:
+        tenant, key = make_tenant("hospital", floor=8, max_concurrency=8, sub_tenant_share=0.25)  # default cap 2
+        SubTenant.objects.create(tenant=tenant, external_id="vip", max_concurrency=3)
+        with WorkerProcess(slots=10):
+            flood = [
+                self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.5}, "sub_tenant": "ward-a"})["id"]
+                for _ in range(10)
+            ]
+            time.sleep(0.2)
+            sibling = [
+                self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.5}, "sub_tenant": "ward-b"})["id"]
+                for _ in range(2)
+            ]
+            vip = [
+                self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.5}, "sub_tenant": "vip"})["id"]
+                for _ in range(6)
+            ]
+            siblings = self.wait_all_finished(sibling)
+            flooded = self.wait_all_finished(flood)
+            vips = self.wait_all_finished(vip)
+        self.assertEqual(max_overlap(result_intervals(flooded)), 2)
+        self.assertEqual(max_overlap(result_intervals(vips)), 3)  # a registered sub-tenant's own cap
+        # The sibling never waited for the flood: both its jobs ran together, at once.
+        self.assertEqual(max_overlap(result_intervals(siblings)), 2)
+        self.assertLess(max((j.started_at - j.submitted_at).total_seconds() for j in siblings), 1.0)
+
+    def test_tenants_on_one_shard_share_its_capacity_and_a_full_shard_delays_no_other(self) -> None:
+        _, key_a = make_tenant("a-on-small", shard_name="small", shard_capacity=2)
+        _, key_b = make_tenant("b-on-small", shard_name="small")
+        _, key_c = make_tenant("c-on-big", shard_name="big", shard_capacity=50)
+        with WorkerProcess(slots=10):
+            small = [self.submit(k, {"task": "demo.sleep", "args": {"seconds": 0.5}})["id"] for k in (key_a, key_b) * 4]
+            time.sleep(0.2)
+            big = [self.submit(key_c, {"task": "demo.sleep", "args": {"seconds": 0.5}})["id"] for _ in range(3)]
+            bigs = self.wait_all_finished(big)
+            smalls = self.wait_all_finished(small)
+        self.assertEqual(max_overlap(result_intervals(smalls)), 2)
+        self.assertEqual(max_overlap(result_intervals(bigs)), 3)
+        self.assertLess(max((j.started_at - j.submitted_at).total_seconds() for j in bigs), 1.0)
+
+
+class BatchLaneTests(E2EBase):
+    def test_batch_waits_while_the_pool_is_busy_and_runs_when_it_is_idle(self) -> None:
+        _, busy_key = make_tenant("interactive", floor=4, max_concurrency=4)
+        _, batch_key = make_tenant("nightly", batch_enabled=True)
+        with WorkerProcess(slots=4):  # pool target 4 * 0.85 = 3.4 -> 3 slots
+            busy = [self.submit(busy_key, {"task": "demo.sleep", "args": {"seconds": 2.0}})["id"] for _ in range(4)]
+            wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).count() == 4, message="pool busy")
+            batch = [
+                self.submit(batch_key, {"task": "demo.sleep", "args": {"seconds": 0.2}, "batch": True})["id"]
+                for _ in range(3)
+            ]
+            time.sleep(1.0)
+            self.assertEqual(Job.objects.filter(id__in=batch, status=JobStatus.PARKED).count(), 3)
+            fleet = live.fleet_state(max_age=0)
+            self.assertEqual((fleet.in_flight, fleet.batch_in_flight), (4, 0))
+            busy_jobs = self.wait_all_finished(busy)
+            batch_jobs = self.wait_all_finished(batch, timeout=20)
+        last_busy_end = max(j.finished_at for j in busy_jobs)
+        self.assertGreaterEqual(min(j.started_at for j in batch_jobs), last_busy_end - timedelta(milliseconds=50))
+        self.assertTrue(all(j.promoted_at is None for j in batch_jobs))
+
+    def test_batch_jobs_are_not_counted_in_the_scale_up_signal(self) -> None:
+        _, batch_key = make_tenant("bulk", batch_enabled=True)
+        with WorkerProcess(slots=4):
+            ids = [
+                self.submit(batch_key, {"task": "demo.sleep", "args": {"seconds": 1.5}, "batch": True})["id"]
+                for _ in range(3)
+            ]
+            wait_for(lambda: Job.objects.filter(id__in=ids, status=JobStatus.RUNNING).count() == 3, message="batch")
+            fleet = wait_for(lambda: (f := live.fleet_state(max_age=0)).busy_batch == 3 and f, message="heartbeat")
+            self.assertEqual(fleet.in_flight, 0)  # the pressure signal
+            self.assertEqual(fleet.batch_in_flight, 3)
+            self.assertEqual(fleet.busy - fleet.busy_batch, 0)  # the autoscaling signal's numerator
+            self.wait_all_finished(ids)
+
+    def test_a_waiting_batch_job_is_promoted_before_its_objective(self) -> None:
+        _, busy_key = make_tenant("always-busy", floor=4, max_concurrency=4)
+        _, batch_key = make_tenant("deadline", batch_enabled=True)
+        PoolSettings.objects.filter(pk=1).update(batch_objective_seconds=4)
+        from tenants.sync import policy_sync_all
+
+        policy_sync_all()
+        with WorkerProcess(slots=4):
+            busy = [self.submit(busy_key, {"task": "demo.sleep", "args": {"seconds": 6.0}})["id"] for _ in range(3)]
+            wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).count() == 3, message="busy")
+            job = self.submit(batch_key, {"task": "demo.sleep", "args": {"seconds": 0.1}, "batch": True})
+            done = wait_for(
+                lambda: (j := Job.objects.get(id=job["id"])).status == JobStatus.SUCCEEDED and j,
+                timeout=15,
+                message="promoted batch job",
+            )
+            self.assertIsNotNone(done.promoted_at)
+            waited = (done.started_at - done.submitted_at).total_seconds()
+            self.assertGreaterEqual(waited, 2.5)  # it did wait in the batch lane first
+            self.assertLess(waited, 4.0)  # and still met its 4 s objective
+            self.assertTrue(Job.objects.filter(id__in=busy, status=JobStatus.RUNNING).exists())
+
+
+class AdminEditTests(E2EBase):
+    def test_raising_a_hard_max_in_the_admin_reaches_a_running_worker_within_a_second(self) -> None:
+        tenant, key = make_tenant("edited", floor=1, max_concurrency=1)
+        from django.contrib.auth.models import User
+
+        staff = User.objects.create_superuser("ops", "ops@example.com", "pw")
+        admin = Client()
+        admin.force_login(staff)
+        with WorkerProcess(slots=6):
+            ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 3.0}})["id"] for _ in range(6)]
+            wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).count() == 1, message="one running")
+            time.sleep(0.5)
+            self.assertEqual(Job.objects.filter(status=JobStatus.RUNNING).count(), 1)
+            page = admin.get(f"/admin/tenants/tenant/{tenant.pk}/change/")
+            form = page.context["adminform"].form
+            data = {k: v for k, v in form.initial.items() if v is not None and not isinstance(v, list)}
+            data.update(
+                {
+                    "shard": tenant.shard_id,
+                    "max_concurrency": 4,
+                    "default_latency_class": "",
+                    "sub_tenants-TOTAL_FORMS": 0,
+                    "sub_tenants-INITIAL_FORMS": 0,
+                    "active": "on",
+                }
+            )
+            data.pop("batch_enabled", None)
+            saved_at = timezone.now()
+            resp = admin.post(f"/admin/tenants/tenant/{tenant.pk}/change/", data)
+            self.assertEqual(resp.status_code, 302, getattr(resp, "context", None) and resp.context["adminform"].errors)
+            self.assertEqual(Tenant.objects.get(pk=tenant.pk).max_concurrency, 4)
+            wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).count() == 4, timeout=5, message="4 running")
+            started = sorted(j.started_at for j in Job.objects.filter(id__in=ids, started_at__gt=saved_at))
+            self.assertEqual(len(started), 3)
+            self.assertLess((started[-1] - saved_at).total_seconds(), 1.0)
