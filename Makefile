@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export REDIS_URL ?= redis://127.0.0.1:6379/0
 export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+# These targets are the local demo/dev workflow; production sets SECRET_KEY and FAIRQUEUE_DEMO=0.
+export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
 .PHONY: demo test lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
@@ -18,7 +20,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 redis:
 	@scripts/ensure_redis.sh
 
-migrate: venv
+# A local checkout run through `make demo` is a demo environment: manage.py commands
+# (bench, chaos, shell) then work without a SECRET_KEY. Never created in production.
+.env:
+	printf 'FAIRQUEUE_DEMO=1\nDEBUG=1\n' > .env
+
+migrate: venv .env
 	$(PY) manage.py migrate --noinput
 
 lint: venv
@@ -31,16 +38,16 @@ typecheck: venv
 test: venv redis lint typecheck
 	$(PY) manage.py test --noinput $(TESTS)
 
-demo: venv redis migrate
+demo: venv redis .env migrate
 	@scripts/demo.sh $(DEMO_PORT)
 
-bench-engine: venv redis
+bench-engine: venv redis .env
 	$(PY) manage.py bench engine --json var/bench-engine.json
 
-bench-noisy: venv redis migrate
+bench-noisy: venv redis .env migrate
 	$(PY) manage.py bench noisy --json var/bench-noisy.json --plot var/bench-noisy.png
 
-chaos: venv redis migrate
+chaos: venv redis .env migrate
 	$(PY) manage.py chaos --json var/chaos.json
 
 clean:

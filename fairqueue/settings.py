@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
@@ -15,7 +16,13 @@ environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 DEBUG = env.bool("DEBUG", default=False)
 # The demo and tests run without a configured secret; anything else must set one.
 DEMO_MODE = env.bool("FAIRQUEUE_DEMO", default=DEBUG or RUNNING_TESTS)
-SECRET_KEY = env.str("SECRET_KEY", default="insecure-demo-only-key" if DEMO_MODE else None)
+SECRET_KEY = env.str("SECRET_KEY", default="insecure-demo-only-key" if DEMO_MODE else "")
+if not SECRET_KEY:
+    raise ImproperlyConfigured(
+        "SECRET_KEY must be set outside the demo: export SECRET_KEY=<50+ random characters> "
+        "(e.g. from `python -c 'import secrets; print(secrets.token_urlsafe(50))'`), "
+        "or run the local demo with FAIRQUEUE_DEMO=1."
+    )
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 

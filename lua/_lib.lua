@@ -77,7 +77,10 @@ local function grant(job, spec, now, lims)
   while n <= #k do
     local key = k[n]
     local l = lims and lims[key] or tonumber(call('HGET', K_LIMITS, key)) or 0
-    if (tonumber(call('HGET', K_COUNTS, key)) or 0) >= l then
+    -- Count first (one command on the common, admitted path); undo if there was no room.
+    local c = call('HINCRBY', K_COUNTS, key, 1)
+    if c > l then
+      if c > 1 then call('HINCRBY', K_COUNTS, key, -1) else call('HDEL', K_COUNTS, key) end
       spec.n = n
       spec.st = 'w'
       spec.q = fmt('%016x', call('INCR', K_SEQ))
@@ -86,7 +89,6 @@ local function grant(job, spec, now, lims)
       call('HSET', K_JOBS, job, encode(spec))
       return false
     end
-    call('HINCRBY', K_COUNTS, key, 1)
     call('ZADD', K_HOLDS, 0, key .. '\0' .. job)
     n = n + 1
   end
@@ -172,11 +174,12 @@ local function reclaim(now, max, woken, reclaimed)
   end
 end
 
--- Store limits passed as ARGV[first], ARGV[first+1], ... pairs, in order; after each,
--- hand on if a raised limit made room (before the next key's limit changes, so a job
--- woken here cannot barge past that key's waiters). Returns the keys and a key -> limit table.
+-- Store limits passed as ARGV[first], ARGV[first+1], ... pairs (keys sorted), all at
+-- once; then hand on every key whose limit rose, in REVERSE canonical order: a job woken
+-- on a key only goes on to later keys, whose queues are then already served, so it can
+-- never barge past their waiters. Returns the keys and a key -> limit table.
 local function store_limits(first, now, woken)
-  local keys, lims = {}, {}
+  local keys, lims, raised = {}, {}, {}
   for i = first, #ARGV, 2 do
     local key, lim = ARGV[i], tonumber(ARGV[i + 1])
     keys[#keys + 1] = key
@@ -184,8 +187,11 @@ local function store_limits(first, now, woken)
     local old = tonumber(call('HGET', K_LIMITS, key))
     if old ~= lim then
       call('HSET', K_LIMITS, key, lim)
-      if not old or lim > old then handoff(key, now, woken) end
+      if not old or lim > old then raised[#raised + 1] = key end
     end
+  end
+  for i = #raised, 1, -1 do
+    handoff(raised[i], now, woken)
   end
   return keys, lims
 end

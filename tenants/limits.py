@@ -3,7 +3,13 @@
 base     = max(floor, ceil(R * D / 60))             R submissions/min, D mean seconds
 ceiling  = base + max(burst_floor, base * burst_pct)
 pressure = clamp(pool_target / in_flight, f_min, f_max)
-limit    = min(max(floor(ceiling * pressure), floor), hard max) + dedicated
+limit    = min(max(floor(ceiling * pressure), floor) + idle share, hard max) + dedicated
+
+The formula alone is not work-conserving: with one bursty tenant holding the backlog, its
+limit settles where L = ceiling * target / (L + others), far below a full pool. So idle
+slots are also shared out (`idle_shares`): tenants at their limit get an equal share of
+the slots nobody holds, on top of what they hold; when the pool is over-held the share is
+negative and they give slots back by not refilling them. Never below the formula.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class LimitBreakdown:
     pressure: float
     hard_max: int | None
     dedicated: int
+    idle_share: int
     limit: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -47,6 +54,7 @@ def tenant_limit(
     in_flight: int,
     f_min: float,
     f_max: float,
+    idle_share: int = 0,
 ) -> LimitBreakdown:
     """Compute a tenant's concurrency limit from its policy and the live signals."""
     base = max(floor, math.ceil(rate_per_min * mean_seconds / 60 - 1e-9))
@@ -59,7 +67,7 @@ def tenant_limit(
         pressure = f_max
     else:
         pressure = min(max(pool_target / in_flight, f_min), f_max)
-    limit = max(math.floor(ceiling * pressure + 1e-9), floor)
+    limit = max(math.floor(ceiling * pressure + 1e-9), floor) + max(idle_share, 0)
     if max_concurrency is not None:
         limit = min(limit, max_concurrency)
     return LimitBreakdown(
@@ -73,5 +81,21 @@ def tenant_limit(
         pressure=pressure,
         hard_max=max_concurrency,
         dedicated=dedicated,
+        idle_share=max(idle_share, 0),
         limit=limit + dedicated,
     )
+
+
+def idle_shares(*, slots: int, in_flight: int, overcommit: float, demand: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Share the pool's unheld slots among tenants that are at their limit.
+
+    `demand` maps each tenant at its formula limit to (held, formula limit); the result is
+    the bonus on top of the formula for each, so that its limit becomes held + an equal
+    share of `slots * (1 + overcommit) - in_flight` (the overcommit covers jobs in transit
+    to a worker, which hold a slot without using it). Negative shares hand slots back.
+    """
+    if not demand or slots <= 0:
+        return {}
+    room = math.floor(slots * (1 + overcommit)) - in_flight
+    share = math.ceil(room / len(demand)) if room > 0 else math.floor(room / len(demand))
+    return {slug: max(0, held + share - formula) for slug, (held, formula) in demand.items()}

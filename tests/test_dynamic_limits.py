@@ -86,7 +86,7 @@ class IdleExpansionTests(E2EBase):
             ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.6}})["id"] for _ in range(16)]
             jobs = self.wait_all_finished(ids)
         self.assertGreaterEqual(max_overlap(result_intervals(jobs)), 6)
-        self.assertLessEqual(max_overlap(result_intervals(jobs)), 8)
+        self.assertLessEqual(max_overlap(result_intervals(jobs)), 10)
 
 
 class SubTenantAndShardTests(E2EBase):

@@ -39,6 +39,7 @@ class MResult:
     parked_on: str | None = None
     position: int | None = None
     found: bool = False
+    duplicate: bool = False
     woken: list[Pair] = field(default_factory=list)
     reclaimed: list[Pair] = field(default_factory=list)
 
@@ -53,15 +54,16 @@ class Model:
         self.waits: dict[str, list[tuple[int, int, str]]] = {}  # key -> sorted (255-p, seq, job)
         self.jobs: dict[str, MJob] = {}
         self.seq = 0
-        self.new_holders: list[tuple[str, str]] = []  # (key, job) taken since last reset
 
     # --- internals mirroring lua/_lib.lua -------------------------------------------
     def _count(self, key: str) -> int:
         return len(self.holders.get(key, ()))
 
     def _hold(self, key: str, job: str) -> None:
+        # Safety, exactly: a job only ever becomes a holder while the key is below its
+        # current limit (a lowered limit evicts nobody, but admits nobody either).
+        assert self._count(key) < self.limits.get(key, 0), (key, job, self.holders.get(key), self.limits.get(key))
         self.holders.setdefault(key, set()).add(job)
-        self.new_holders.append((key, job))
 
     def _grant(self, job_id: str) -> bool:
         job = self.jobs[job_id]
@@ -105,12 +107,12 @@ class Model:
             self._drop(job_id, woken)
 
     def _store_limits(self, limits: dict[str, int], woken: list[Pair]) -> None:
-        for key in sorted(limits):
-            old = self.limits.get(key)
-            if old != limits[key]:
-                self.limits[key] = limits[key]
-                if old is None:
-                    self._handoff(key, woken)
+        # All limits change at once; raised keys are then served in reverse canonical order
+        # (a woken job only moves on to later keys, whose queues are then already served).
+        raised = [k for k in sorted(limits) if self.limits.get(k) is None or limits[k] > self.limits[k]]
+        self.limits.update(limits)
+        for key in reversed(raised):
+            self._handoff(key, woken)
 
     def _state(self, job_id: str, res: MResult) -> MResult:
         job = self.jobs[job_id]
@@ -125,6 +127,7 @@ class Model:
         res = MResult()
         self._reclaim(INLINE_RECLAIM, res.woken, res.reclaimed)
         if job_id in self.jobs:
+            res.duplicate = True
             return self._state(job_id, res)
         self._store_limits(limits, res.woken)
         self.jobs[job_id] = MJob(sorted(limits), priority, data)

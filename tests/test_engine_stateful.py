@@ -34,6 +34,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.known: list[str] = []
         self.holders_before: dict[str, list[str]] = {}
+        self.limits_before: dict[str, int] = {}
 
     @initialize()
     def start(self) -> None:
@@ -41,6 +42,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> None:
         self.holders_before = {k: self.model.holders_of(k) for k in POOL}
+        self.limits_before = dict(self.model.limits)
 
     def check(self, real_woken: list[tuple[str, str]], real_reclaimed: list[tuple[str, str]], want: MResult) -> None:
         assert real_woken == want.woken, (real_woken, want.woken)
@@ -72,11 +74,10 @@ class EngineMachine(RuleBasedStateMachine):
             return
         job = data.draw(st.sampled_from(self.known))
         real = self.engine.admit(tag=TAG, job_id=job, keys={"a": 1}, lease_seconds=60, data="other")
-        want = self.model.admit(job, {"a": 1}, 0, "other") if job in self.model.jobs else None
-        if want is None:  # gone: it is admitted afresh with the new spec, like the model
-            want = self.model.admit(job, {"a": 1}, 0, "other")
-        else:
-            assert real.duplicate
+        # Known: its current state comes back. Gone (released, or reclaimed first by this very
+        # call): it is admitted afresh with the new spec, like the model.
+        want = self.model.admit(job, {"a": 1}, 0, "other")
+        assert real.duplicate == want.duplicate
         assert (real.admitted, real.parked_on, real.position) == (want.admitted, want.parked_on, want.position)
         self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
 
@@ -132,11 +133,10 @@ class EngineMachine(RuleBasedStateMachine):
         for key in POOL:
             now = self.model.holders_of(key)
             new = set(now) - set(self.holders_before.get(key, []))
-            if new:  # anyone who got in did so within the limit
-                assert len(now) <= self.model.limits[key], (key, now, self.model.limits[key])
-        for key, job in self.model.new_holders:
-            assert job in self.model.holders.get(key, set()) or job not in self.model.jobs
-        self.model.new_holders.clear()
+            if new:  # anyone who got in did so within the limit in force (an admit reclaims
+                # and hands on before it stores its limits, so a step may see two limits)
+                limit = max(self.model.limits[key], self.limits_before.get(key, 0))
+                assert len(now) <= limit, (key, now, limit)
         self.snapshot()
         for job_id, job in self.model.jobs.items():
             state = self.engine.inspect_job(tag=TAG, job_id=job_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.test import SimpleTestCase
 
-from tenants.limits import tenant_limit
+from tenants.limits import idle_shares, tenant_limit
 
 DEFAULTS = dict(
     floor=2,
@@ -84,3 +84,26 @@ class FormulaTests(SimpleTestCase):
             self.assertEqual(s.pressure, 0.5)
             self.assertEqual(s.limit, max(int(r.ceiling * 0.5), r.floor))
             self.assertGreaterEqual(s.limit, s.floor)
+
+
+class IdleShareTests(SimpleTestCase):
+    def test_unheld_slots_are_shared_equally_among_tenants_at_their_limit(self) -> None:
+        shares = idle_shares(slots=16, in_flight=8, overcommit=0.0, demand={"a": (6, 6), "b": (2, 2)})
+        self.assertEqual(shares, {"a": 4, "b": 4})  # 8 unheld slots, 4 each on top of what they hold
+
+    def test_overcommit_covers_jobs_in_transit(self) -> None:
+        self.assertEqual(idle_shares(slots=16, in_flight=16, overcommit=0.125, demand={"a": (16, 4)}), {"a": 14})
+
+    def test_an_over_held_pool_gives_slots_back_but_never_below_the_formula(self) -> None:
+        shares = idle_shares(slots=16, in_flight=20, overcommit=0.0, demand={"a": (14, 4), "b": (4, 4)})
+        self.assertEqual(shares, {"a": 8, "b": 0})  # 4 too many: each gives back 2, b keeps its formula
+
+    def test_no_demand_or_no_fleet_means_no_share(self) -> None:
+        self.assertEqual(idle_shares(slots=16, in_flight=0, overcommit=0.1, demand={}), {})
+        self.assertEqual(idle_shares(slots=0, in_flight=0, overcommit=0.1, demand={"a": (1, 1)}), {})
+
+    def test_the_share_adds_to_the_limit_but_the_hard_max_still_holds(self) -> None:
+        self.assertEqual(limit(idle_share=5).limit, 9)
+        self.assertEqual(limit(idle_share=5).idle_share, 5)
+        self.assertEqual(limit(idle_share=50, max_concurrency=10).limit, 10)
+        self.assertEqual(limit(idle_share=50, max_concurrency=10, dedicated=2).limit, 12)

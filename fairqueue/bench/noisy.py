@@ -278,6 +278,43 @@ def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 # --- orchestration (the bench process) -------------------------------------------------------------
 
 
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--quick", action="store_true", help="a short run: all four modes in under two minutes")
+    parser.add_argument("--smoke", action="store_true", help="a tiny run for the test suite: shape, not figures")
+    parser.add_argument("--json", dest="json_path", help="also write the result document to this JSON file")
+    parser.add_argument("--plot", dest="plot_path", help="write the wait distributions to this PNG")
+    parser.add_argument(
+        "--redis-url", default=stack.DEFAULT_REDIS_URL, help="a Redis database for the bench alone (flushed)"
+    )
+    parser.add_argument("--force", action="store_true", help="flush --redis-url even if it holds data")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the preset's)")
+    parser.add_argument(
+        "--database-url",
+        default=None,
+        help="a PostgreSQL server URL (e.g. postgres://postgres@127.0.0.1:5432/): each mode gets a fresh "
+        "database fq_bench_<mode> on it instead of a SQLite file",
+    )
+
+
+def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
+    modes = [m.strip() for m in options["modes"].split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise RuntimeError(f"unknown modes {unknown}; choose from {list(MODES)}")
+    preset = "smoke" if options["smoke"] else "quick" if options["quick"] else "default"
+    return run(
+        redis_url=options["redis_url"],
+        preset=preset,
+        modes=modes,
+        force=options["force"],
+        plot_path=options["plot_path"],
+        seed=options["seed"],
+        database_url=options.get("database_url"),
+        log=log,
+    )
+
+
 def run(
     *,
     redis_url: str = stack.DEFAULT_REDIS_URL,
@@ -286,6 +323,7 @@ def run(
     force: bool = False,
     plot_path: str | None = None,
     seed: int | None = None,
+    database_url: str | None = None,
     log: Log = print,
 ) -> dict[str, Any]:
     """Run every mode on a fresh stack; return the result document."""
@@ -298,7 +336,8 @@ def run(
     template = work_dir / "noisy-template.sqlite3"
     started = time.monotonic()
     log(f"bench noisy ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots, seed {workload.seed}")
-    stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
+    if database_url is None:
+        stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
     results: dict[str, dict[str, Any]] = {}
     raw: dict[str, list[dict[str, Any]]] = {}
     traces: dict[str, Any] = {}
@@ -307,10 +346,15 @@ def run(
             t0 = time.monotonic()
             stack.redis_db_flush(redis_url)
             db_path = work_dir / f"noisy-{mode}.sqlite3"
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{db_path}{suffix}").unlink(missing_ok=True)
-            db_path.write_bytes(template.read_bytes())
-            env = stack.stack_env(redis_url=redis_url, db_path=db_path)
+            if database_url is None:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+                db_path.write_bytes(template.read_bytes())
+                env = stack.stack_env(redis_url=redis_url, db_path=db_path)
+            else:
+                mode_url = stack.fresh_postgres(database_url, f"fq_bench_{mode}")
+                env = stack.stack_env(redis_url=redis_url, db_path=db_path, database_url=mode_url)
+                stack.migrate(env)
             with tempfile.TemporaryDirectory() as tmp:
                 spec = Path(tmp) / "spec.json"
                 out = Path(tmp) / "out.json"
@@ -331,6 +375,7 @@ def run(
     doc: dict[str, Any] = {
         "modes": results,
         "workload": {**asdict(workload), "preset": preset, "slots": workload.slots, "jobs_planned": None},
+        "database": "postgresql" if database_url else "sqlite",
         "definitions": {
             "wait": "started - submitted (FairQueue: Job.started_at - Job.submitted_at)",
             "utilization": f"busy slot-seconds (task bodies) inside backlog periods / (slots x backlog seconds); "
@@ -573,7 +618,9 @@ def _fairqueue_records() -> list[dict[str, Any]]:
     from fairqueue.jobs.models import Job, JobStatus
 
     out = []
-    for j in Job.objects.values("tenant__slug", "submitted_at", "started_at", "finished_at", "status", "args", "result"):
+    for j in Job.objects.values(
+        "tenant__slug", "submitted_at", "started_at", "finished_at", "status", "args", "result"
+    ):
         result = j["result"] or {}
         run_started = datetime.fromisoformat(result["started"]).timestamp() if "started" in result else None
         run_finished = datetime.fromisoformat(result["finished"]).timestamp() if "finished" in result else None
@@ -664,7 +711,9 @@ def child_main(spec_path: str, out_path: str) -> None:
     records = _fifo_records(rec) if mode == "fifo" else _fairqueue_records()
     samples = tracer.samples if tracer else []
     Path(out_path).write_text(
-        json.dumps({"mode": mode, "records": records, "trace": samples, "trace_summary": _trace_summary(samples, w.slots)})
+        json.dumps(
+            {"mode": mode, "records": records, "trace": samples, "trace_summary": _trace_summary(samples, w.slots)}
+        )
     )
 
 

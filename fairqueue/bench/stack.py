@@ -44,13 +44,14 @@ def redis_db_flush(url: str) -> None:
     redis.Redis.from_url(url).flushdb()
 
 
-def stack_env(*, redis_url: str, db_path: Path, **extra: str) -> dict[str, str]:
-    """Environment for every process of one stack: its Redis database and SQLite file."""
+def stack_env(*, redis_url: str, db_path: Path, database_url: str | None = None, **extra: str) -> dict[str, str]:
+    """Environment for every process of one stack: its Redis database and its database
+    (the SQLite file `db_path`, or `database_url` when given)."""
     env = dict(os.environ)
     env.update(
         {
             "REDIS_URL": redis_url,
-            "DATABASE_URL": f"sqlite:///{db_path}",
+            "DATABASE_URL": database_url or f"sqlite:///{db_path}",
             "FAIRQUEUE_DEMO": "1",
             "DJANGO_SETTINGS_MODULE": "fairqueue.settings",
             "LOG_LEVEL": "WARNING",
@@ -66,6 +67,30 @@ def fresh_database(db_path: Path, env: dict[str, str]) -> None:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-wal", "-shm", "-journal"):
         Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise StackError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
+
+
+def fresh_postgres(server_url: str, name: str) -> str:
+    """Drop and create database `name` on the PostgreSQL server; return its URL (migrate next)."""
+    import psycopg
+
+    base = server_url.rstrip("/")
+    server, _, _ = base.rpartition("/") if base.count("/") > 2 else (base, "", "")
+    with psycopg.connect(f"{server}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{server}/{name}"
+
+
+def migrate(env: dict[str, str]) -> None:
     done = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
         cwd=ROOT,

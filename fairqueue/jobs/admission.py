@@ -43,6 +43,7 @@ class LiveSignals:
     mean_seconds: float | None = None
     pool_slots: int = 0
     in_flight: int = 0
+    idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         in_flight=signals.in_flight,
         f_min=pool.f_min,
         f_max=pool.f_max,
+        idle_share=signals.idle_share,
     )
 
 

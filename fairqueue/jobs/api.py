@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from datetime import datetime
 from typing import Any, Literal
@@ -29,14 +31,14 @@ MAX_JSON_DEPTH = 32
 
 
 class StrictJSONParser(Parser):
-    """JSON only, no NaN/Infinity (not JSON, and PostgreSQL's jsonb refuses them), bounded depth."""
+    """JSON only, no NaN/Infinity/1e999 (PostgreSQL's jsonb refuses them), bounded depth, storable strings."""
 
     def parse_body(self, request: HttpRequest) -> Any:
         content_type = request.headers.get("Content-Type", "")
         if request.body and content_type.split(";")[0].strip().lower() not in ("application/json", ""):
             raise JobError(415, "unsupported_media_type", "Send the body as application/json.")
-        value = json.loads(request.body, parse_constant=_reject_constant)
-        _check_depth(value)
+        value = json.loads(request.body, parse_constant=_reject_constant, parse_float=_finite_float)
+        _check_value(value)
         return value
 
 
@@ -44,16 +46,38 @@ def _reject_constant(name: str) -> Any:
     raise JobError(400, "invalid_json", f"{name} is not valid JSON.")
 
 
-def _check_depth(value: Any) -> None:
+def _finite_float(text: str) -> float:
+    # 1e999 is valid JSON syntax but parses to infinity, which no database JSON column stores.
+    number = float(text)
+    if not math.isfinite(number):
+        raise JobError(400, "invalid_json", f"{text[:20]} is out of range for a JSON number.")
+    return number
+
+
+# NUL and unpaired surrogates: Python accepts them from \u escapes, PostgreSQL text and jsonb do not.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def _check_value(value: Any) -> None:
+    """Bounded depth, and only strings a database can store (keys included)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise JobError(400, "invalid_json", f"JSON nested deeper than {MAX_JSON_DEPTH} levels.")
         if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
+            for key, v in item.items():
+                _check_string(key)
+                stack.append((v, depth + 1))
         elif isinstance(item, list):
             stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, str):
+            _check_string(item)
+
+
+def _check_string(text: str) -> None:
+    if _UNSTORABLE.search(text):
+        raise JobError(400, "invalid_json", "Strings may not contain NUL (\\u0000) or unpaired surrogates.")
 
 
 class TenantKeyAuth(HttpBearer):
@@ -225,6 +249,7 @@ class LimitsOut(Schema):
     pressure_factor: float
     hard_max: int | None
     dedicated: int
+    idle_share: int
     limit: int
     in_flight: int
     parked: int
@@ -237,25 +262,33 @@ class LimitsOut(Schema):
 # --- endpoints ----------------------------------------------------------------------------------
 
 
+def _errors(*statuses: int) -> dict[int, type[ErrorOut]]:
+    """The error statuses an operation can answer, all in the one error shape (documented in OpenAPI).
+
+    415 and 413 come from the body parser, 503 from a Redis outage (see `_redis_down`).
+    """
+    return dict.fromkeys(statuses, ErrorOut)
+
+
 def _tenant(request: HttpRequest) -> Tenant:
     return request.auth  # type: ignore[attr-defined,no-any-return]
 
 
-@api.post("/jobs", response={200: JobOut, 202: JobOut, 400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 413: ErrorOut})
+@api.post("/jobs", response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)})
 def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
     """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
     result = job_submit(tenant=_tenant(request), req=payload.to_request())
     return (202 if result.created else 200), selectors.job_to_dict(result.job)
 
 
-@api.post("/jobs/bulk", response={202: list[JobOut], 400: ErrorOut, 401: ErrorOut, 403: ErrorOut, 413: ErrorOut})
+@api.post("/jobs/bulk", response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)})
 def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> tuple[int, list[dict[str, Any]]]:
     """Submit up to 1,000 jobs at once; all are validated before any is written."""
     results = job_submit_bulk(tenant=_tenant(request), reqs=[j.to_request() for j in payload.jobs])
     return 202, [selectors.job_to_dict(r.job) for r in results]
 
 
-@api.get("/jobs", response={200: JobListOut, 400: ErrorOut, 401: ErrorOut, 403: ErrorOut})
+@api.get("/jobs", response={200: JobListOut, **_errors(400, 401, 403)})
 def list_jobs(
     request: HttpRequest,
     status: Literal["queued", "parked", "running", "succeeded", "failed", "cancelled"] | None = None,
@@ -266,19 +299,19 @@ def list_jobs(
     return selectors.job_list(tenant=_tenant(request), status=status, limit=limit, offset=offset)
 
 
-@api.get("/limits", response={200: LimitsOut, 401: ErrorOut, 403: ErrorOut, 503: ErrorOut})
+@api.get("/limits", response={200: LimitsOut, **_errors(401, 403, 503)})
 def get_limits(request: HttpRequest) -> dict[str, Any]:
     """The calling tenant's limit, term by term (floor, base, ceiling, pressure), and its load."""
     return selectors.tenant_limits_explain(tenant=_tenant(request))
 
 
-@api.get("/jobs/{job_id}", response={200: JobOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut})
+@api.get("/jobs/{job_id}", response={200: JobOut, **_errors(401, 403, 404, 503)})
 def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
     return selectors.job_to_dict(job, explain=True)
 
 
-@api.post("/jobs/{job_id}/cancel", response={200: JobOut, 401: ErrorOut, 403: ErrorOut, 404: ErrorOut, 409: ErrorOut})
+@api.post("/jobs/{job_id}/cancel", response={200: JobOut, **_errors(401, 403, 404, 409, 503)})
 def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
     return selectors.job_to_dict(job_cancel(job=job))

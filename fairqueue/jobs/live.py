@@ -39,6 +39,10 @@ def _update_mean(key: str, seconds: float) -> None:
     _mean_script(keys=[key], args=[f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS])
 
 
+SHARES_KEY = "fq:limits:idle_share"  # HASH slug -> bonus; expires if no worker ticks
+SHARES_TTL_SECONDS = 3
+
+
 def rate_key(slug: str) -> str:
     return f"fq:rate:{slug}"
 
@@ -63,6 +67,8 @@ class _TenantCache:
     signals: LiveSignals = field(default_factory=LiveSignals)
     fetched_at: float = 0.0
     pending: int = 0
+    flushed_at: float = 0.0
+    idle_share: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,14 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
         _ring_add(tenant_slug, count, now)
         return
     with _lock:
-        _tenants.setdefault(tenant_slug, _TenantCache()).pending += count
+        entry = _tenants.setdefault(tenant_slug, _TenantCache())
+        entry.pending += count
+        due = time.monotonic() - entry.flushed_at >= SIGNAL_TTL_SECONDS
+        if due:
+            pending, entry.pending, entry.flushed_at = entry.pending, 0, time.monotonic()
+    if due:
+        # A tenant that only submits (a burst) still reaches the ring within a second.
+        _ring_add(tenant_slug, pending, time.time())
 
 
 def _ring_add(slug: str, count: int, now: float) -> None:
@@ -149,7 +162,10 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
         pipe.expire(rate_key(tenant_slug), window * 2 + 60)
     pipe.hmget(rate_key(tenant_slug), fields)
     pipe.get(mean_key(tenant_slug))
-    *_, ring, mean = pipe.execute()
+    pipe.hget(SHARES_KEY, tenant_slug)
+    *_, ring, mean, share = pipe.execute()
+    with _lock:
+        entry.idle_share = int(share or 0)
     counts = [int(c or 0) for c in ring]
     return rate_from_ring(counts, window_seconds=window), (float(mean) if mean else None)
 
@@ -210,7 +226,21 @@ def live_signals(*, tenant_slug: str) -> LiveSignals:
         mean_seconds=base.mean_seconds,
         pool_slots=fleet.slots,
         in_flight=fleet.in_flight,
+        idle_share=entry.idle_share,
     )
+
+
+def idle_shares_publish(shares: dict[str, int]) -> None:
+    """Make the tick's idle shares visible to every admitting process (one round trip)."""
+    pipe = redis_client().pipeline(transaction=True)
+    pipe.delete(SHARES_KEY)
+    if shares:
+        pipe.hset(SHARES_KEY, mapping=shares)
+        pipe.expire(SHARES_KEY, SHARES_TTL_SECONDS)
+    pipe.execute()
+    with _lock:
+        for slug, entry in _tenants.items():
+            entry.idle_share = shares.get(slug, 0)
 
 
 def live_invalidate() -> None:

@@ -104,6 +104,7 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
         "pressure_factor": round(breakdown.pressure, 4),
         "hard_max": breakdown.hard_max,
         "dedicated": breakdown.dedicated,
+        "idle_share": breakdown.idle_share,
         "limit": breakdown.limit,
         "in_flight": key.held,
         "parked": key.waiting,

@@ -9,6 +9,7 @@ stale or duplicate messages do nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -34,6 +35,7 @@ from fairqueue.jobs.admission import admission_plan
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import JobContext, task_get
 from fairqueue.jobs.runtime import engine, queue_name
+from tenants.limits import idle_shares
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
 
@@ -42,6 +44,9 @@ log = logging.getLogger("fairqueue.jobs")
 RUN_TASK_NAME = "fairqueue.run_job"
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
+# Unheld slots are shared out up to slots * (1 + OVERCOMMIT): a job in transit to a worker
+# holds a slot it is not yet using, and without a little overcommit workers would idle.
+OVERCOMMIT = 0.125
 BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting batch job is promoted
 
 
@@ -417,12 +422,16 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     now = timezone.now()
     claimed = Job.objects.filter(
         id=job_id, generation=generation, status__in=[JobStatus.QUEUED, JobStatus.PARKED]
-    ).update(status=JobStatus.RUNNING, started_at=now, attempts=F("attempts") + 1, worker=worker)
+    ).update(
+        status=JobStatus.RUNNING,
+        started_at=now,
+        admitted_at=Coalesce("admitted_at", Value(now)),
+        attempts=F("attempts") + 1,
+        worker=worker,
+    )
     if not claimed:
         return "skipped"  # stale generation, cancelled, or already run: the guard that makes it once
     job = Job.objects.select_related("tenant__shard").get(id=job_id)
-    if job.admitted_at is None:
-        Job.objects.filter(id=job_id).update(admitted_at=now)
     tag = _tag_of(job)
     lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
     if not engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease):
@@ -506,12 +515,35 @@ def limits_refresh() -> int:
 
     Limits travel with each admit, but a tenant whose jobs are all parked submits nothing;
     this tick is what lets a raised limit (idle pool, admin edit) wake its waiters within a
-    second. One call per shard; returns how many jobs it woke.
+    second. It also shares the pool's unheld slots among tenants at their limit (see
+    tenants.limits.idle_shares), which is what keeps the pool full under one big backlog.
+    One round trip per shard to read holders, one per shard to set limits.
     """
     from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag, tenant_key, tenant_limit_for
 
     policy = policy_snapshot()
-    fleet = live.fleet_state()
+    fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
+    formulas: dict[str, int] = {}
+    held: dict[str, int] = {}
+    for shard_name in policy.shards:
+        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
+        counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(tp.slug) for tp in members])
+        for tp in members:
+            signals = dataclasses.replace(live.live_signals(tenant_slug=tp.slug), idle_share=0)
+            formulas[tp.slug] = tenant_limit_for(policy, tp, signals).limit
+            held[tp.slug] = counts.get(tenant_key(tp.slug), 0)
+    capped = {
+        slug
+        for slug, tp in policy.tenants.items()
+        if tp.max_concurrency is not None and formulas.get(slug, 0) >= tp.max_concurrency + tp.dedicated
+    }
+    at_limit = {
+        slug: (held[slug], formulas[slug]) for slug in formulas if held[slug] >= formulas[slug] and slug not in capped
+    }
+    shares = idle_shares(
+        slots=fleet.slots, in_flight=fleet.in_flight + fleet.batch_in_flight, overcommit=OVERCOMMIT, demand=at_limit
+    )
+    live.idle_shares_publish(shares)
     woken = 0
     for shard_name, shard in policy.shards.items():
         limits = {SHARD_KEY: shard.capacity, BATCH_KEY: fleet.batch_limit(shard_name)}

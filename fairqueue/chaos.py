@@ -1,0 +1,693 @@
+"""`manage.py chaos`: run real load through the REST API while workers die and Redis loses
+everything, then check that nothing was lost, run twice, over-admitted or leaked.
+
+The run owns its whole stack: a fresh SQLite file under var/chaos/, a dedicated Redis
+database (refused if it holds data, flushed at start and end), one daphne web server and
+several `manage.py worker` processes, all started as subprocesses with the same
+DATABASE_URL/REDIS_URL. This process never touches its own Django database: it reads the
+run's SQLite file with the sqlite3 module and the run's Redis with a plain client.
+
+Faults injected:
+- SIGKILL of a random (preferably busy) worker, replaced at once by a fresh one;
+- one "Redis restart" mid-run: FLUSHDB of the run's database. The local Redis keeps
+  nothing on disk for it, so an empty database is exactly what a restart leaves (scheduling
+  state, policies, broker queues, worker registry: all gone).
+
+Checks once the system is quiet (every accepted job terminal, or a timeout):
+- accepted == succeeded, lost == 0 (accepted but not terminal, or missing);
+- duplicated == 0: no demo ledger row written more than once, and every succeeded job wrote one;
+- over_limit_events == 0: sweeping the started/finished times the demo task records for the
+  final run of each succeeded job, no tenant (hard max), registered sub-tenant or shard ran
+  above its limit at any moment. A run killed with its worker leaves no times, so only
+  runs that finished count; they are a subset of the hold intervals the engine granted;
+- leaked_holds == 0: no holder, waiter or job spec left in any engine tag, and the engine's
+  own invariant check is clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from fairqueue.bench.stack import ROOT, StackError, WebServer, fresh_database, redis_db_prepare, stack_env
+from fairqueue.engine import Engine
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
+CHAOS_DIR = ROOT / "var" / "chaos"
+ENGINE_PREFIX = "fq"
+SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY
+BUSY_KEY = "fq:workers:busy"  # fairqueue.jobs.worker.BUSY_KEY
+TERMINAL = ("succeeded", "failed", "cancelled")
+SHARD = "chaos"
+
+Log = Callable[[str], None]
+
+
+class ChaosError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    slug: str
+    floor: int
+    max_concurrency: int | None
+    weight: float  # share of the submitted requests
+    sub_tenants: dict[str, int] = field(default_factory=dict)  # registered sub-tenant -> its cap
+    extra_sub_tenants: tuple[str, ...] = ()  # unregistered: capped by the tenant's default share
+
+
+TENANTS = (
+    TenantSpec("tiny", floor=1, max_concurrency=1, weight=0.15),
+    TenantSpec("small", floor=2, max_concurrency=2, weight=0.25),
+    TenantSpec(
+        "subs",
+        floor=2,
+        max_concurrency=4,
+        weight=0.30,
+        sub_tenants={"alpha": 1, "beta": 2},
+        extra_sub_tenants=("gamma",),
+    ),
+    TenantSpec("big", floor=2, max_concurrency=None, weight=0.30),
+)
+SHARD_CAPACITY = 10
+
+
+@dataclass
+class ChaosConfig:
+    quick: bool = False
+    redis_url: str = DEFAULT_REDIS_URL
+    force: bool = False
+    seed: int | None = None
+    load_seconds: float = 150.0
+    kills: int = 10
+    workers: int = 3
+    slots: int = 4
+    requests_per_second: float = 8.0
+    lease_seconds: float = 2.0
+    dispatch_lease_seconds: float = 15.0
+    quiet_timeout: float = 180.0
+    min_seconds: float = 0.05
+    max_seconds: float = 0.5
+
+    @classmethod
+    def make(cls, *, quick: bool, **overrides: Any) -> ChaosConfig:
+        base = cls(quick=True, load_seconds=14.0, kills=2, quiet_timeout=60.0) if quick else cls()
+        for name, value in overrides.items():
+            if value is not None:
+                setattr(base, name, value)
+        return base
+
+    @property
+    def poison_limit(self) -> int:
+        # Above the number of kills: even a job under every killed worker is re-delivered.
+        return self.kills + 2
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+class WorkerPool:
+    """The run's `manage.py worker` processes; kill one with SIGKILL, start replacements."""
+
+    def __init__(self, *, slots: int, env: dict[str, str], log_dir: Path, redis_url: str) -> None:
+        self.slots = slots
+        self.env = env
+        self.log_dir = log_dir
+        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def spawn(self) -> str:
+        with self._lock:
+            self._n += 1
+            hostname = f"chaos{self._n}-{uuid.uuid4().hex[:4]}@localhost"
+        log = (self.log_dir / f"{hostname.split('@')[0]}.log").open("wb")
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "worker",
+                f"--concurrency={self.slots}",
+                "--pool=threads",
+                f"--hostname={hostname}",
+                "-l",
+                "warning",
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        with self._lock:
+            self.procs[hostname] = proc
+        return hostname
+
+    def wait_registered(self, hostnames: Iterable[str], timeout: float = 60.0) -> None:
+        names = list(hostnames)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self.client.zscore(SEEN_KEY, h) is not None for h in names):
+                return
+            for h in names:
+                if self.procs[h].poll() is not None:
+                    raise ChaosError(f"worker {h} exited early; see {self.log_dir}")
+            time.sleep(0.1)
+        raise ChaosError(f"workers did not register within {timeout}s; see {self.log_dir}")
+
+    def alive(self) -> list[str]:
+        with self._lock:
+            return [h for h, p in self.procs.items() if p.poll() is None]
+
+    def kill_one(self, rng: random.Random) -> tuple[str, int] | None:
+        """SIGKILL a live worker, preferring one that is running jobs; (hostname, busy slots)."""
+        alive = self.alive()
+        if not alive:
+            return None
+        try:
+            busy = {h: int(v) for h, v in self.client.hgetall(BUSY_KEY).items()}
+        except redis.RedisError:
+            busy = {}
+        busiest = [h for h in alive if busy.get(h, 0) > 0]
+        victim = rng.choice(busiest or alive)
+        proc = self.procs[victim]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        return victim, busy.get(victim, 0)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            procs = list(self.procs.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # SIGKILL cannot be ignored
+                proc.wait(10)
+
+
+def manage(args: list[str], *, env: dict[str, str], timeout: float = 120.0) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if done.returncode:
+        raise ChaosError(f"manage.py {args[0]} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+_SETUP_CODE = """
+import json
+from django.db import transaction
+from tenants.models import Shard, SubTenant, Tenant
+specs = json.loads({specs!r})
+keys = {{}}
+with transaction.atomic():
+    shard, _ = Shard.objects.get_or_create(name={shard!r}, defaults={{"capacity": {capacity}}})
+    for s in specs:
+        t = Tenant(slug=s["slug"], name=s["slug"], shard=shard, floor=s["floor"],
+                   max_concurrency=s["max_concurrency"], dedicated=0)
+        keys[s["slug"]] = t.rotate_api_key()
+        t.full_clean()
+        t.save()
+        for ext, cap in s["sub_tenants"].items():
+            SubTenant.objects.create(tenant=t, external_id=ext, max_concurrency=cap)
+print(json.dumps(keys))
+"""
+
+
+def tenants_create(env: dict[str, str]) -> dict[str, str]:
+    """Create the run's shard, tenants and sub-tenants in a child process; their raw API keys."""
+    specs = json.dumps([asdict(t) for t in TENANTS])
+    out = manage(["shell", "-c", _SETUP_CODE.format(specs=specs, shard=SHARD, capacity=SHARD_CAPACITY)], env=env)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+
+class Load:
+    """Submits demo.sleep jobs through the REST API at a steady pace: singles and bulk."""
+
+    def __init__(self, *, base_url: str, keys: dict[str, str], config: ChaosConfig, rng: random.Random) -> None:
+        self.base_url = base_url
+        self.keys = keys
+        self.config = config
+        self.rng = rng
+        self.accepted: dict[str, str] = {}  # job id (hex) -> tenant slug
+        self.idempotency: dict[tuple[str, str], str] = {}  # (tenant, key) -> job id
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def _post(self, slug: str, path: str, body: Any) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.keys[slug]}"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()[:300]
+
+    def _job(self, spec: TenantSpec) -> dict[str, Any]:
+        job: dict[str, Any] = {
+            "task": "demo.sleep",
+            "args": {"seconds": round(self.rng.uniform(self.config.min_seconds, self.config.max_seconds), 3)},
+        }
+        subs = [*spec.sub_tenants, *spec.extra_sub_tenants]
+        if subs and self.rng.random() < 0.8:
+            job["sub_tenant"] = self.rng.choice(subs)
+        return job
+
+    def _record(self, slug: str, status: int, data: Any, sent: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self.counts[f"http_{status}"] += 1
+            if status not in (200, 202):
+                self.errors.append(f"{slug}: HTTP {status}: {data!r}"[:300])
+                return
+            items = data if isinstance(data, list) else [data]
+            for job, item in zip(sent, items, strict=True):
+                job_id = uuid.UUID(item["id"]).hex
+                self.accepted[job_id] = slug
+                key = job.get("idempotency_key")
+                if key is not None:
+                    known = self.idempotency.setdefault((slug, key), job_id)
+                    if known != job_id:
+                        self.counts["idempotency_mismatch"] += 1
+
+    def submit_once(self) -> None:
+        spec = self.rng.choices(TENANTS, weights=[t.weight for t in TENANTS])[0]
+        try:
+            if self.rng.random() < 0.3:
+                jobs = [self._job(spec) for _ in range(self.rng.randint(2, 6))]
+                status, data = self._post(spec.slug, "/api/v1/jobs/bulk", {"jobs": jobs})
+                self._record(spec.slug, status, data, jobs)
+                return
+            job = self._job(spec)
+            with self._lock:
+                repeats = [k for (slug, k) in self.idempotency if slug == spec.slug]
+            if repeats and self.rng.random() < 0.1:
+                job["idempotency_key"] = self.rng.choice(repeats)  # a client retry: same job, nothing new
+                self.counts["retries"] += 1
+            elif self.rng.random() < 0.3:
+                job["idempotency_key"] = uuid.uuid4().hex
+            status, data = self._post(spec.slug, "/api/v1/jobs", job)
+            self._record(spec.slug, status, data, [job])
+        except (OSError, ValueError, KeyError) as exc:
+            with self._lock:
+                self.counts["transport_errors"] += 1
+                self.errors.append(f"{spec.slug}: {type(exc).__name__}: {exc}"[:300])
+
+    def run(self, seconds: float, threads: int = 3) -> None:
+        interval = threads / self.config.requests_per_second
+        end = time.monotonic() + seconds
+
+        def loop() -> None:
+            next_at = time.monotonic() + self.rng.uniform(0, interval)
+            while not self._stop.is_set() and time.monotonic() < end:
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
+                self.submit_once()
+                next_at += interval
+
+        pool = [threading.Thread(target=loop, name=f"chaos-load-{i}", daemon=True) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+
+def _db(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def job_statuses(db_path: Path) -> dict[str, str]:
+    with _db(db_path) as conn:
+        return {row["id"]: row["status"] for row in conn.execute("SELECT id, status FROM jobs_job")}
+
+
+def wait_quiet(db_path: Path, accepted: Iterable[str], *, timeout: float, log: Log) -> tuple[bool, float]:
+    """Until every accepted job is terminal (True) or the timeout (False); and the time it took."""
+    ids = set(accepted)
+    started = time.monotonic()
+    last_report = started
+    while True:
+        statuses = job_statuses(db_path)
+        pending = [i for i in ids if statuses.get(i) not in TERMINAL]
+        if not pending:
+            return True, time.monotonic() - started
+        now = time.monotonic()
+        if now - started > timeout:
+            return False, now - started
+        if now - last_report > 5:
+            log(f"  waiting for quiet: {len(pending)} job(s) not terminal yet")
+            last_report = now
+        time.sleep(0.25)
+
+
+def _parse_ts(value: str) -> float:
+    return datetime.fromisoformat(value).timestamp()
+
+
+def over_limit(intervals: list[tuple[float, float]], limit: int) -> tuple[int, int]:
+    """(moments the concurrency rose above `limit`, peak concurrency) over these intervals.
+
+    A run that finishes at the instant another starts does not overlap it."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(f, -1) for _, f in intervals])
+    level = peak = moments = 0
+    for _, delta in events:
+        level += delta
+        if delta > 0 and level == limit + 1:
+            moments += 1
+        peak = max(peak, level)
+    return moments, peak
+
+
+def concurrency_report(db_path: Path) -> dict[str, Any]:
+    """Per tenant (hard max), registered sub-tenant and shard: peak concurrency and over-limit moments."""
+    with _db(db_path) as conn:
+        tenants = {
+            r["id"]: dict(r)
+            for r in conn.execute(
+                "SELECT t.id, t.slug, t.max_concurrency, t.dedicated, s.name AS shard, s.capacity "
+                "FROM tenants_tenant t JOIN tenants_shard s ON s.id = t.shard_id"
+            )
+        }
+        subs = {
+            (r["tenant_id"], r["external_id"]): r["max_concurrency"]
+            for r in conn.execute("SELECT tenant_id, external_id, max_concurrency FROM tenants_subtenant")
+        }
+        rows = list(conn.execute("SELECT tenant_id, sub_tenant, result FROM jobs_job WHERE status = 'succeeded'"))
+    groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    limits: dict[tuple[str, str], int | None] = {}
+    missing_times = 0
+    for row in rows:
+        tenant = tenants[row["tenant_id"]]
+        try:
+            result = json.loads(row["result"])
+            interval = (_parse_ts(result["started"]), _parse_ts(result["finished"]))
+        except (TypeError, ValueError, KeyError):
+            missing_times += 1
+            continue
+        scopes = [("tenant", tenant["slug"]), ("shard", tenant["shard"])]
+        limits[("tenant", tenant["slug"])] = (
+            None if tenant["max_concurrency"] is None else tenant["max_concurrency"] + tenant["dedicated"]
+        )
+        limits[("shard", tenant["shard"])] = tenant["capacity"]
+        cap = subs.get((row["tenant_id"], row["sub_tenant"]))
+        if cap is not None:
+            scope = ("sub_tenant", f"{tenant['slug']}/{row['sub_tenant']}")
+            scopes.append(scope)
+            limits[scope] = cap
+        for scope in scopes:
+            groups.setdefault(scope, []).append(interval)
+    scopes_out: dict[str, Any] = {}
+    total = 0
+    for scope, intervals in sorted(groups.items()):
+        limit = limits[scope]
+        moments, peak = over_limit(intervals, limit if limit is not None else 10**9)
+        total += moments
+        scopes_out[f"{scope[0]}:{scope[1]}"] = {"limit": limit, "peak": peak, "over_limit_events": moments}
+    return {"over_limit_events": total, "scopes": scopes_out, "succeeded_without_times": missing_times}
+
+
+def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
+    with _db(db_path) as conn:
+        writes = {r["job_id"]: r["writes"] for r in conn.execute("SELECT job_id, writes FROM jobs_ledgerentry")}
+    duplicated = sorted(j for j, w in writes.items() if w > 1)
+    missing = sorted(succeeded - set(writes))
+    return {"duplicated": duplicated, "missing": missing}
+
+
+def engine_leftovers(redis_url: str) -> dict[str, Any]:
+    """Everything the engine still holds, per tag, plus its own invariant check."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    eng = Engine(client, prefix=ENGINE_PREFIX)
+    out: dict[str, Any] = {}
+    for jobs_key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:jobs", count=1000):
+        tag = jobs_key[len(ENGINE_PREFIX) + 2 : -len("}:jobs")]
+        base = f"{ENGINE_PREFIX}:{{{tag}}}"
+        out[tag] = {
+            "job_specs": client.hlen(f"{base}:jobs"),
+            "holds": client.zcard(f"{base}:holds"),
+            "waiters": client.zcard(f"{base}:waits"),
+            "leases": client.zcard(f"{base}:leases"),
+            "problems": eng.check_invariants(tag=tag),
+            "job_ids": sorted(client.hkeys(f"{base}:jobs"))[:20],
+        }
+    # A tag whose jobs hash is empty may still have holds or waits (a corrupt state).
+    for holds_key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:holds", count=1000):
+        tag = holds_key[len(ENGINE_PREFIX) + 2 : -len("}:holds")]
+        if tag not in out:
+            out[tag] = {
+                "job_specs": 0,
+                "holds": client.zcard(holds_key),
+                "waiters": client.zcard(f"{ENGINE_PREFIX}:{{{tag}}}:waits"),
+                "leases": client.zcard(f"{ENGINE_PREFIX}:{{{tag}}}:leases"),
+                "problems": eng.check_invariants(tag=tag),
+                "job_ids": [],
+            }
+    return out
+
+
+def leaked_count(leftovers: dict[str, Any]) -> int:
+    return sum(t["job_specs"] + t["holds"] + t["waiters"] + len(t["problems"]) for t in leftovers.values())
+
+
+def wait_engine_drained(redis_url: str, *, timeout: float) -> tuple[dict[str, Any], float]:
+    """Releases land just after the job row turns terminal, and a killed run's hold goes with
+    its lease: give the engine up to `timeout` to settle, then report what is left."""
+    started = time.monotonic()
+    while True:
+        leftovers = engine_leftovers(redis_url)
+        if not leaked_count(leftovers) or time.monotonic() - started > timeout:
+            return leftovers, time.monotonic() - started
+        time.sleep(0.25)
+
+
+# --- the run ------------------------------------------------------------------------------------------
+
+
+def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
+    seed = config.seed if config.seed is not None else random.randrange(2**32)
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    redis_db_prepare(config.redis_url, force=config.force)
+    run_dir = CHAOS_DIR / ("quick" if config.quick else "full")
+    db_path = run_dir / "chaos.sqlite3"
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in log_dir.glob("*.log"):
+        old.unlink()
+    env = stack_env(
+        redis_url=config.redis_url,
+        db_path=db_path,
+        FAIRQUEUE_LEASE_SECONDS=str(config.lease_seconds),
+        FAIRQUEUE_DISPATCH_LEASE_SECONDS=str(config.dispatch_lease_seconds),
+        FAIRQUEUE_POISON_PILL_LIMIT=str(config.poison_limit),
+        FAIRQUEUE_PAYLOAD_DIR=str(run_dir / "payloads"),
+        FAIRQUEUE_LOG_LEVEL="WARNING",
+    )
+    log(
+        f"chaos ({'quick' if config.quick else 'full'}, seed {seed}): {config.workers} workers x {config.slots} slots, "
+        f"{config.load_seconds:.0f}s of load, {config.kills} SIGKILLs, 1 Redis flush; lease "
+        f"{config.lease_seconds}s, poison-pill limit {config.poison_limit}"
+    )
+    log(f"  stack: {db_path} + {config.redis_url}; logs in {log_dir}")
+    web: WebServer | None = None
+    workers: WorkerPool | None = None
+    load: Load | None = None
+    kills: list[dict[str, Any]] = []
+    flushes: list[dict[str, Any]] = []
+    try:
+        fresh_database(db_path, env)
+        keys = tenants_create(env)
+        web = WebServer(env=env, log_dir=log_dir)
+        workers = WorkerPool(slots=config.slots, env=env, log_dir=log_dir, redis_url=config.redis_url)
+        first = [workers.spawn() for _ in range(config.workers)]
+        web.start(timeout=60)
+        workers.wait_registered(first)
+        log(f"  stack up in {time.monotonic() - t0:.1f}s: daphne on {web.base_url}, workers {', '.join(first)}")
+
+        load = Load(base_url=web.base_url, keys=keys, config=config, rng=random.Random(rng.random()))
+        load_started = time.monotonic()
+        load_thread = threading.Thread(target=load.run, args=(config.load_seconds,), name="chaos-load", daemon=True)
+        load_thread.start()
+
+        # The fault plan, in seconds after the load started.
+        span = config.load_seconds
+        if config.quick:
+            kill_at = sorted([span * rng.uniform(0.15, 0.35), span * rng.uniform(0.6, 0.8)][: config.kills])
+        else:
+            kill_at = sorted(rng.uniform(0.05 * span, 0.9 * span) for _ in range(config.kills))
+        flush_at = span * (rng.uniform(0.45, 0.55))
+        plan = sorted([(t, "kill") for t in kill_at] + [(flush_at, "flush")])
+        chaos_client = redis.Redis.from_url(config.redis_url)
+        for at, what in plan:
+            delay = load_started + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            elapsed = time.monotonic() - load_started
+            if what == "kill":
+                killed = workers.kill_one(rng)
+                if killed is None:
+                    continue
+                replacement = workers.spawn()
+                kills.append({"at_s": round(elapsed, 2), "worker": killed[0], "busy": killed[1]})
+                log(f"  t+{elapsed:5.1f}s SIGKILL {killed[0]} ({killed[1]} job(s) running); started {replacement}")
+            else:
+                keys_before = chaos_client.dbsize()
+                chaos_client.flushdb()
+                flushes.append({"at_s": round(elapsed, 2), "keys_lost": keys_before})
+                log(f"  t+{elapsed:5.1f}s Redis restart: FLUSHDB of {config.redis_url} ({keys_before} keys lost)")
+        load_thread.join()
+        log(
+            f"  load done at t+{time.monotonic() - load_started:.1f}s: {len(load.accepted)} jobs accepted "
+            f"({dict(sorted(load.counts.items()))})"
+        )
+
+        quiet, quiet_s = wait_quiet(db_path, load.accepted, timeout=config.quiet_timeout, log=log)
+        log(f"  {'quiet' if quiet else 'NOT quiet (timeout)'} after {quiet_s:.1f}s")
+        leftovers, settle_s = wait_engine_drained(config.redis_url, timeout=config.lease_seconds * 3 + 3)
+
+        statuses = job_statuses(db_path)
+        accepted = set(load.accepted)
+        by_status = Counter(statuses.get(j, "missing") for j in accepted)
+        succeeded_ids = {j for j in accepted if statuses.get(j) == "succeeded"}
+        lost_ids = sorted(j for j in accepted if statuses.get(j) not in TERMINAL)
+        stray = sorted(j for j, s in statuses.items() if j not in accepted and s not in TERMINAL)
+        ledger = ledger_report(db_path, succeeded_ids)
+        concurrency = concurrency_report(db_path)
+        with _db(db_path) as conn:
+            failures = Counter(
+                r["error_reason"] or "?"
+                for r in conn.execute("SELECT error_reason FROM jobs_job WHERE status = 'failed'")
+            )
+            redelivered = conn.execute("SELECT COUNT(*) FROM jobs_job WHERE worker_losses > 0").fetchone()[0]
+        report: dict[str, Any] = {
+            "accepted": len(accepted),
+            "succeeded": by_status.get("succeeded", 0),
+            "failed": by_status.get("failed", 0),
+            "cancelled": by_status.get("cancelled", 0),
+            "lost": len(lost_ids),
+            "duplicated": len(ledger["duplicated"]),
+            "missing_side_effects": len(ledger["missing"]),
+            "over_limit_events": concurrency["over_limit_events"],
+            "leaked_holds": leaked_count(leftovers),
+            "workers_killed": len(kills),
+            "redis_restarts": len(flushes),
+            "redelivered_after_worker_loss": redelivered,
+            "duration_s": round(time.monotonic() - t0, 1),
+        }
+        report["ok"] = bool(
+            report["accepted"] > 0
+            and report["succeeded"] == report["accepted"]
+            and report["lost"] == 0
+            and report["duplicated"] == 0
+            and report["missing_side_effects"] == 0
+            and report["over_limit_events"] == 0
+            and report["leaked_holds"] == 0
+            and not stray
+            and load.counts["idempotency_mismatch"] == 0
+        )
+        report["details"] = {
+            "seed": seed,
+            "config": asdict(config) | {"poison_limit": config.poison_limit},
+            "redis_restart_method": "FLUSHDB of the run's Redis database (it keeps nothing on disk, "
+            "so an empty database is what a restart leaves)",
+            "kills": kills,
+            "flushes": flushes,
+            "http": dict(sorted(load.counts.items())),
+            "http_errors": load.errors[:20],
+            "statuses": dict(by_status),
+            "failure_reasons": dict(failures),
+            "lost_ids": lost_ids[:50],
+            "lost_statuses": dict(Counter(statuses.get(j, "missing") for j in lost_ids)),
+            "stray_nonterminal_ids": stray[:50],
+            "duplicated_ids": ledger["duplicated"][:50],
+            "missing_side_effect_ids": ledger["missing"][:50],
+            "concurrency": concurrency,
+            "engine_leftovers": leftovers,
+            "quiet": quiet,
+            "quiet_wait_s": round(quiet_s, 1),
+            "engine_settle_s": round(settle_s, 1),
+            "run_dir": str(run_dir),
+        }
+        return report
+    finally:
+        if load is not None:
+            load.stop()
+        if workers is not None:
+            workers.stop_all()
+        if web is not None:
+            web.stop()
+        with contextlib.suppress(redis.RedisError):
+            redis.Redis.from_url(config.redis_url).flushdb()
+
+
+SUMMARY_KEYS = (
+    "accepted",
+    "succeeded",
+    "failed",
+    "lost",
+    "duplicated",
+    "missing_side_effects",
+    "over_limit_events",
+    "leaked_holds",
+    "workers_killed",
+    "redis_restarts",
+    "redelivered_after_worker_loss",
+    "duration_s",
+    "ok",
+)
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["", "chaos result:"]
+    lines += [f"  {k:<30} {report[k]}" for k in SUMMARY_KEYS]
+    d = report["details"]
+    peaks = ", ".join(f"{name} {v['peak']}/{v['limit']}" for name, v in d["concurrency"]["scopes"].items())
+    lines.append(f"  peak concurrency (peak/limit): {peaks}")
+    lines.append(f"  Redis restart = {d['redis_restart_method']}")
+    if d["failure_reasons"]:
+        lines.append(f"  failure reasons: {d['failure_reasons']}")
+    if report["lost"]:
+        lines.append(f"  lost jobs by status: {d['lost_statuses']}; e.g. {d['lost_ids'][:5]}")
+    if report["leaked_holds"]:
+        lines.append(f"  engine leftovers: {d['engine_leftovers']}")
+    if d["http_errors"]:
+        lines.append(f"  first HTTP errors: {d['http_errors'][:3]}")
+    return lines
+
+
+__all__ = ["ChaosConfig", "ChaosError", "StackError", "report_lines", "run"]

@@ -1,0 +1,125 @@
+"""`manage.py bench noisy`: a tiny run on the real stack checks the result's shape (not its
+figures), and the metric definitions are checked on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import redis
+from django.conf import settings
+from django.test import SimpleTestCase
+
+from fairqueue.bench.noisy import (
+    MODES,
+    NOISY_SLUG,
+    PRESETS,
+    backlog_utilisation,
+    mode_metrics,
+    targets_check,
+    workload_plan,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+METRIC_KEYS = {
+    "quiet_p50_wait_s",
+    "quiet_p99_wait_s",
+    "noisy_p50_wait_s",
+    "noisy_p99_wait_s",
+    "noisy_makespan_s",
+    "utilization",
+    "jobs_per_s",
+    "jobs",
+    "mean_job_s",
+}
+
+
+def bench_redis_url() -> str:
+    """A Redis database for the bench under test: never the test suite's own."""
+    url = os.environ.get("FAIRQUEUE_BENCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+    assert redis.Redis.from_url(url).connection_pool.connection_kwargs["db"] != redis.Redis.from_url(
+        settings.REDIS_URL
+    ).connection_pool.connection_kwargs.get("db", 0), "the bench must not share the test Redis database"
+    return url
+
+
+def record(tenant: str, submitted: float, started: float, seconds: float) -> dict[str, object]:
+    return {
+        "tenant": tenant,
+        "seconds": seconds,
+        "submitted": submitted,
+        "started": started,
+        "finished": started + seconds,
+        "run_started": started,
+        "run_finished": started + seconds,
+        "ok": True,
+    }
+
+
+class MetricTests(SimpleTestCase):
+    def test_plan_is_deterministic_and_bursts(self) -> None:
+        w = PRESETS["smoke"]
+        self.assertEqual(workload_plan(w), workload_plan(w))
+        self.assertEqual(sum(1 for p in workload_plan(w) if p.tenant == NOISY_SLUG), w.burst_jobs)
+
+    def test_utilisation_counts_only_backlog_time(self) -> None:
+        # Two slots; one job waits 1 s (0.1 s grace) while one slot runs: half busy.
+        records = [record("quiet-1", 0.0, 0.0, 2.0), record(NOISY_SLUG, 0.0, 1.0, 1.0)]
+        util, backlog = backlog_utilisation(records, slots=2)
+        self.assertAlmostEqual(backlog, 0.9)
+        self.assertAlmostEqual(util or 0.0, 0.5)
+
+    def test_targets_need_every_mode(self) -> None:
+        m = mode_metrics([record("quiet-1", 0.0, 0.0, 0.1), record(NOISY_SLUG, 0.0, 0.2, 0.1)], slots=1)
+        self.assertTrue(set(m) >= METRIC_KEYS)
+        self.assertIsNone(targets_check({"fair": m})["noisy_makespan"]["met"])
+        self.assertIsNotNone(targets_check({"fair": m, "fifo": m})["noisy_makespan"]["met"])
+
+
+class BenchNoisySmokeTests(SimpleTestCase):
+    def test_smoke_run_writes_the_documented_shape(self) -> None:
+        url = bench_redis_url()
+        with tempfile.TemporaryDirectory() as tmp:
+            out, png = Path(tmp) / "noisy.json", Path(tmp) / "noisy.png"
+            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "manage.py",
+                    "bench",
+                    "noisy",
+                    "--smoke",
+                    "--redis-url",
+                    url,
+                    "--json",
+                    str(out),
+                    "--plot",
+                    str(png),
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
+            doc = json.loads(out.read_text())
+            self.assertTrue(png.stat().st_size > 0)
+        self.assertEqual(set(doc["modes"]), set(MODES))
+        for mode, figures in doc["modes"].items():
+            self.assertTrue(set(figures) >= METRIC_KEYS, mode)
+            self.assertGreater(figures["jobs"], 0, mode)
+            self.assertEqual(figures["failed"], 0, mode)
+        self.assertIsNone(doc["modes"]["fair_no_burst"]["noisy_makespan_s"])
+        self.assertEqual(
+            set(doc["targets"]), {"quiet_p99_vs_fifo", "quiet_p99_vs_no_burst", "utilization", "noisy_makespan"}
+        )
+        for target in doc["targets"].values():
+            self.assertIn(target["met"], (True, False))
+        self.assertIn("workload", doc)
+        self.assertIn("PASS" if doc["all_targets_met"] else "MISS", done.stdout)
+        self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")

@@ -1,0 +1,263 @@
+"""Direct behaviours of the engine (issue 3 semantics, one by one), input validation,
+the real-time lease path and the asyncio API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+import redis.asyncio
+from django.conf import settings
+
+from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
+from fairqueue.engine.keys import tag_keys
+from tests.base import RedisTestCase
+
+T = "s:api"
+
+
+class EngineBehaviour(RedisTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.e = Engine(redis.Redis.from_url(settings.REDIS_URL))
+
+    def admit(self, job: str, keys: dict[str, int], priority: int = 0, lease: float = 60):
+        return self.e.admit(tag=T, job_id=job, keys=keys, priority=priority, lease_seconds=lease, data=f"d-{job}")
+
+    def test_key_layout_shares_one_hash_tag(self) -> None:
+        keys = tag_keys("fq", "s:shard1")
+        self.assertEqual(keys[0], "fq:{s:shard1}:jobs")
+        self.assertTrue(all("{s:shard1}" in k for k in keys))
+
+    def test_handoff_goes_to_head_waiter_in_the_same_call(self) -> None:
+        self.assertTrue(self.admit("a", {"k": 1}).admitted)
+        b = self.admit("b", {"k": 1})
+        self.assertEqual((b.admitted, b.parked_on, b.position), (False, "k", 1))
+        self.assertEqual(self.admit("c", {"k": 1}).position, 2)
+        res = self.e.release(tag=T, job_id="a")
+        self.assertTrue(res.found)
+        self.assertEqual(res.woken, [Woken("b", "d-b")])
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").holders, ["b"])
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="c").position, 1)
+
+    def test_priority_then_fifo(self) -> None:
+        self.admit("h", {"k": 1})
+        for job, prio in [("l1", 0), ("m1", 5), ("l2", 0), ("m2", 5), ("top", 250)]:
+            self.admit(job, {"k": 1}, prio)
+        state = self.e.inspect_key(tag=T, key="k")
+        self.assertEqual(state.waiters_by_priority, {250: 1, 5: 2, 0: 2})
+        self.assertEqual(state.waiting, 5)
+        order = []
+        current = "h"
+        for _ in range(5):
+            woken = self.e.release(tag=T, job_id=current).woken
+            current = woken[0].job_id
+            order.append(current)
+        self.assertEqual(order, ["top", "m1", "m2", "l1", "l2"])
+
+    def test_no_barging_newcomer_parks_behind_waiters(self) -> None:
+        self.admit("a", {"k": 2})
+        self.admit("b", {"k": 2})
+        self.admit("w", {"k": 2}, priority=1)
+        # The newcomer raises the limit: the raise wakes the parked waiter first.
+        res = self.admit("new", {"k": 3}, priority=1)
+        self.assertEqual(res.woken, [Woken("w", "d-w")])
+        self.assertFalse(res.admitted)
+        self.assertEqual(res.parked_on, "k")
+
+    def test_lowered_limit_evicts_nobody_and_admits_nobody_until_below(self) -> None:
+        for job in "abc":
+            self.assertTrue(self.admit(job, {"k": 3}).admitted)
+        self.assertFalse(self.admit("d", {"k": 1}).admitted)
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").held, 3)
+        self.assertEqual(self.e.release(tag=T, job_id="a").woken, [])
+        self.assertEqual(self.e.release(tag=T, job_id="b").woken, [])
+        self.assertEqual(self.e.release(tag=T, job_id="c").woken, [Woken("d", "d-d")])
+
+    def test_raised_limit_wakes_waiters_at_once(self) -> None:
+        self.admit("a", {"k": 1})
+        self.admit("b", {"k": 1})
+        self.admit("c", {"k": 1})
+        woken = self.e.set_limits(tag=T, limits={"k": 3})
+        self.assertEqual([w.job_id for w in woken], ["b", "c"])
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").waiting, 0)
+
+    def test_zero_limit_parks_everything(self) -> None:
+        self.assertFalse(self.admit("a", {"k": 0}).admitted)
+        self.assertEqual([w.job_id for w in self.e.set_limits(tag=T, limits=[KeyLimit("k", 1)])], ["a"])
+
+    def test_idempotent_readmit(self) -> None:
+        self.admit("a", {"k": 1})
+        self.admit("b", {"k": 1})
+        again = self.admit("a", {"k": 1})
+        self.assertTrue(again.admitted and again.duplicate)
+        again_b = self.admit("b", {"k": 1})
+        self.assertEqual((again_b.admitted, again_b.position, again_b.duplicate), (False, 1, True))
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").holders, ["a"])
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").waiting, 1)
+
+    def test_cancel_frees_place_and_hands_partial_holds_on(self) -> None:
+        self.admit("x", {"b": 1})
+        p = self.admit("p", {"a": 1, "b": 1})  # holds a, parked on b
+        self.assertEqual((p.parked_on, self.e.inspect_job(tag=T, job_id="p").held_keys), ("b", ["a"]))
+        self.admit("q", {"a": 1})  # parked behind p's hold on a
+        self.admit("r", {"b": 1})  # parked on b behind p
+        self.assertFalse(self.e.cancel(tag=T, job_id="x").cancelled)  # running: not cancellable
+        res = self.e.cancel(tag=T, job_id="p")
+        self.assertTrue(res.cancelled)
+        self.assertEqual(res.woken, [Woken("q", "d-q")])
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="r").position, 1)
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="p").status, "unknown")
+
+    def test_multi_key_keeps_held_keys_while_parked(self) -> None:
+        self.admit("hb", {"b": 1})
+        self.admit("j", {"c": 1, "a": 1, "b": 1})
+        state = self.e.inspect_job(tag=T, job_id="j")
+        self.assertEqual((state.status, state.held_keys, state.parked_on), ("parked", ["a"], "b"))
+        self.assertIsNone(state.lease_expires_ms)  # parked jobs have no lease and never expire
+        self.assertFalse(self.admit("other", {"a": 1}).admitted)
+        self.assertEqual(self.e.release(tag=T, job_id="hb").woken, [Woken("j", "d-j")])
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="j").held_keys, ["a", "b", "c"])
+
+    def test_no_deadlock_with_opposite_order_key_sets(self) -> None:
+        self.assertTrue(self.admit("ab", {"a": 1, "b": 1}).admitted)
+        self.assertFalse(self.admit("ba", {"b": 1, "a": 1}).admitted)  # canonical order: parks on a
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="ba").held_keys, [])
+        self.assertEqual(self.e.release(tag=T, job_id="ab").woken, [Woken("ba", "d-ba")])
+
+    def test_renew_of_reclaimed_job_returns_false(self) -> None:
+        self.admit("a", {"k": 1})
+        self.admit("b", {"k": 1})
+        self.assertTrue(self.e.renew(tag=T, job_id="a", lease_seconds=30))
+        self.assertFalse(self.e.renew(tag=T, job_id="b", lease_seconds=30))  # parked
+        self.assertTrue(self.e.expire_now(tag=T, job_id="a"))
+        self.assertFalse(self.e.renew(tag=T, job_id="a", lease_seconds=30))  # expired: not revived
+        res = self.e.reclaim(tag=T)
+        self.assertEqual((res.reclaimed, res.woken), ([Woken("a", "d-a")], [Woken("b", "d-b")]))
+        self.assertFalse(self.e.renew(tag=T, job_id="a", lease_seconds=30))
+
+    def test_expired_lease_is_reclaimed_by_the_next_call(self) -> None:
+        self.admit("a", {"k": 1})
+        self.admit("b", {"k": 1})
+        self.e.expire_now(tag=T, job_id="a")
+        res = self.admit("c", {"k": 1})
+        self.assertEqual(res.reclaimed, [Woken("a", "d-a")])
+        self.assertEqual(res.woken, [Woken("b", "d-b")])
+        self.assertEqual(res.position, 1)
+
+    def test_real_short_lease_runs_out(self) -> None:
+        self.admit("a", {"k": 1}, lease=0.2)
+        self.admit("b", {"k": 1})
+        self.assertEqual(self.e.reclaim(tag=T).reclaimed, [])
+        time.sleep(0.3)
+        res = self.e.release(tag=T, job_id="nobody")
+        self.assertFalse(res.found)
+        self.assertEqual((res.reclaimed, res.woken), ([Woken("a", "d-a")], [Woken("b", "d-b")]))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_renew_extends_a_real_lease(self) -> None:
+        self.admit("a", {"k": 1}, lease=0.3)
+        for _ in range(3):
+            time.sleep(0.15)
+            self.assertTrue(self.e.renew(tag=T, job_id="a", lease_seconds=0.3))
+        self.assertEqual(self.e.reclaim(tag=T).reclaimed, [])
+
+    def test_sweep_and_sweeper(self) -> None:
+        self.e.admit(tag="t1", job_id="a", keys={"k": 1}, lease_seconds=60)
+        self.e.admit(tag="t2", job_id="b", keys={"k": 1}, lease_seconds=60)
+        self.e.expire_now(tag="t1", job_id="a")
+        result = self.e.sweep(["t1", "t2"])
+        self.assertEqual([w.job_id for w in result["t1"].reclaimed], ["a"])
+        self.assertEqual(result["t2"].reclaimed, [])
+        self.e.expire_now(tag="t2", job_id="b")
+        seen: list[str] = []
+        sweeper = Sweeper(self.e, lambda: ["t1", "t2"], lambda tag, r: seen.append(tag), interval=0.05, jitter=0.5)
+        sweeper.start()
+        try:
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            sweeper.stop()
+        self.assertEqual(seen, ["t2"])
+
+    def test_admit_many_is_one_pipeline(self) -> None:
+        items = [AdmitRequest(tag=T, job_id=f"j{i}", keys={"k": 2}, lease_seconds=60, data=str(i)) for i in range(4)]
+        res = self.e.admit_many(items)
+        self.assertEqual([r.admitted for r in res], [True, True, False, False])
+        self.assertEqual([r.position for r in res], [None, None, 1, 2])
+        self.assertEqual(self.e.admit_many([]), [])
+
+    def test_scripts_reload_after_script_flush(self) -> None:
+        self.admit("a", {"k": 1})
+        self.e.client.script_flush()
+        self.assertTrue(self.admit("b", {"k": 2}).admitted)
+        self.e.client.script_flush()
+        self.assertEqual(len(self.e.admit_many([AdmitRequest(T, "c", {"k": 3}, 60)])), 1)
+
+    def test_counts_and_clean_state_after_release(self) -> None:
+        self.admit("a", {"x": 2, "y": 2})
+        self.assertEqual(self.e.counts(tag=T, keys=["x", "y", "z"]), {"x": 1, "y": 1, "z": 0})
+        self.e.release(tag=T, job_id="a")
+        names = {k.decode().rsplit(":", 1)[1] for k in self.e.client.keys("*")}
+        self.assertEqual(names, {"limits"})  # no holders, waiters, specs or leases left
+
+    def test_validation(self) -> None:
+        bad = [
+            dict(keys={}),
+            dict(keys=[("a", 1), ("a", 2)]),
+            dict(keys={"a\0b": 1}),
+            dict(keys={"a\1": 1}),
+            dict(keys={"": 1}),
+            dict(keys={"a": -1}),
+            dict(keys={"a": 1.5}),
+            dict(keys={"a": True}),
+            dict(keys={"a": 1}, priority=251),
+            dict(keys={"a": 1}, priority=-1),
+            dict(keys={"a": 1}, lease_seconds=0),
+            dict(keys={"a": 1}, lease_seconds=-1),
+            dict(keys={"a": 1}, job_id=""),
+            dict(keys={"a": 1}, tag=""),
+            dict(keys={"a": 1}, tag="x}y"),
+        ]
+        for override in bad:
+            kwargs = dict(tag=T, job_id="j", keys={"a": 1}, lease_seconds=10, priority=0)
+            kwargs.update(override)
+            with self.subTest(override=override), self.assertRaises(ValueError):
+                self.e.admit(**kwargs)  # type: ignore[arg-type]
+        with self.assertRaises(ValueError):
+            self.e.renew(tag=T, job_id="j", lease_seconds=0)
+        with self.assertRaises(ValueError):
+            self.e.reclaim(tag=T, max_jobs=0)
+        with self.assertRaises(ValueError):
+            Engine(self.e.client, prefix="a{b")
+        self.assertEqual(self.e.client.dbsize(), 0)
+
+
+class AsyncEngineBehaviour(RedisTestCase):
+    def test_async_api_matches_sync(self) -> None:
+        async def scenario() -> None:
+            client = redis.asyncio.Redis.from_url(settings.REDIS_URL)
+            e = AsyncEngine(client)
+            try:
+                self.assertTrue((await e.admit(tag=T, job_id="a", keys={"k": 1}, lease_seconds=60, data="A")).admitted)
+                b = await e.admit(tag=T, job_id="b", keys={"k": 1}, priority=3, lease_seconds=60, data="B")
+                self.assertEqual((b.parked_on, b.position), ("k", 1))
+                many = await e.admit_many([AdmitRequest(T, "c", {"k": 1}, 60, 0, "C")])
+                self.assertEqual(many[0].position, 2)
+                self.assertEqual((await e.inspect_key(tag=T, key="k")).waiters_by_priority, {3: 1, 0: 1})
+                self.assertTrue(await e.renew(tag=T, job_id="a", lease_seconds=60))
+                self.assertEqual((await e.release(tag=T, job_id="a")).woken, [Woken("b", "B")])
+                self.assertTrue((await e.cancel(tag=T, job_id="c")).cancelled)
+                self.assertTrue(await e.expire_now(tag=T, job_id="b"))
+                self.assertEqual((await e.sweep([T]))[T].reclaimed, [Woken("b", "B")])
+                self.assertEqual(await e.set_limits(tag=T, limits={"k": 2}), [])
+                self.assertEqual((await e.inspect_job(tag=T, job_id="b")).status, "unknown")
+                self.assertEqual(await e.counts(tag=T, keys=["k"]), {"k": 0})
+                self.assertEqual((await e.reclaim(tag=T)).reclaimed, [])
+                self.assertEqual(await e.check_invariants(tag=T), [])
+            finally:
+                await client.aclose()
+
+        asyncio.run(scenario())

@@ -1,0 +1,60 @@
+"""Smoke test of ``manage.py bench engine``: a tiny run checks the JSON shape (not the
+figures, which are for the full command on a quiet machine)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import redis
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from tests.base import RedisTestCase
+
+
+class EngineBenchSmokeTest(RedisTestCase):
+    def test_quick_run_writes_the_documented_json(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "bench.json"
+            call_command(
+                "bench",
+                "engine",
+                "--quick",
+                "--json",
+                str(path),
+                "--redis-url",
+                settings.REDIS_URL,
+                stdout=io.StringIO(),
+            )
+            data = json.loads(path.read_text())
+        for key in [
+            "trivial_server_us",
+            "admit_server_us",
+            "admit3_server_us",
+            "release_server_us",
+            "trivial_calls_per_s_one_client",
+            "pairs_per_s_one_client",
+            "pairs_per_s_concurrent",
+            "trivial_calls_per_s_concurrent",
+            "admit_ratio",
+            "admit3_ratio",
+            "release_ratio",
+            "scaling_spread",
+            "pairs_ratio_one_client",
+        ]:
+            self.assertIsInstance(data[key], float, key)
+            self.assertGreater(data[key], 0, key)
+        self.assertTrue(data["scaling"])
+        for row in data["scaling"]:
+            self.assertEqual(set(row), {"keys", "waiters", "admit_server_us"})
+        self.assertEqual(self.redis.dbsize(), 0)  # flushed afterwards
+
+    def test_refuses_a_non_empty_database(self) -> None:
+        redis.Redis.from_url(settings.REDIS_URL).set("precious", "1")
+        with self.assertRaises(CommandError):
+            call_command("bench", "engine", "--quick", "--redis-url", settings.REDIS_URL, stdout=io.StringIO())
+        self.assertEqual(self.redis.get("precious"), b"1")
