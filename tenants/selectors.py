@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -21,6 +22,17 @@ def tenant_authenticate(*, raw_key: str) -> Tenant | None:
     if tenant is None or not tenant.check_api_key(raw_key):
         return None
     return tenant
+
+
+LiveStateProvider = Callable[[Tenant], dict[str, Any]]
+_live_state_providers: list[LiveStateProvider] = []
+
+
+def live_state_provider_register(provider: LiveStateProvider) -> None:
+    """Let a layer above policy (the jobs side) add what it knows to the tenant's live state,
+    without this app importing it."""
+    if provider not in _live_state_providers:
+        _live_state_providers.append(provider)
 
 
 def tenant_live_state(*, tenant: Tenant) -> dict[str, Any]:
@@ -57,4 +69,9 @@ def tenant_live_state(*, tenant: Tenant) -> dict[str, Any]:
         state["Sub-tenant caps match database"] = "no"
     state["Global policy version"] = global_version or "0"
     state["Last full sync"] = synced or "never (Redis will resync itself on the next policy read)"
+    for provider in _live_state_providers:
+        try:
+            state.update(provider(tenant))
+        except Exception as exc:  # the admin page must render even if Redis misbehaves
+            state[getattr(provider, "__name__", "provider")] = f"unavailable: {exc}"
     return state

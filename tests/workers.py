@@ -15,6 +15,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
+from fairqueue.bench.stack import die_with_parent
 from fairqueue.jobs.worker import SEEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,7 @@ class WorkerProcess:
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,  # a crashed test run leaves no worker behind
         )
         _started.append(self)
         client = redis.Redis.from_url(settings.REDIS_URL)

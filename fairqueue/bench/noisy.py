@@ -67,8 +67,10 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class Workload:
     seed: int = 7
-    workers: int = 2
-    slots_per_worker: int = 8
+    # 16 slots as 4 processes x 4 threads: a Celery consumer shares its process's GIL with
+    # its task threads, and fewer threads per consumer keep message intake from lagging.
+    workers: int = 4
+    slots_per_worker: int = 4
     quiet_tenants: int = 4
     quiet_rate_per_s: float = 3.0  # per steady tenant, Poisson
     mean_job_s: float = 0.3  # lognormal mean
@@ -289,6 +291,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--force", action="store_true", help="flush --redis-url even if it holds data")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the preset's)")
+    parser.add_argument("--workers", type=int, default=None, help="worker processes (default: the preset's)")
+    parser.add_argument("--slots-per-worker", type=int, default=None, help="thread slots per worker")
     parser.add_argument(
         "--database-url",
         default=None,
@@ -311,6 +315,8 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         plot_path=options["plot_path"],
         seed=options["seed"],
         database_url=options.get("database_url"),
+        workers=options.get("workers"),
+        slots_per_worker=options.get("slots_per_worker"),
         log=log,
     )
 
@@ -324,12 +330,18 @@ def run(
     plot_path: str | None = None,
     seed: int | None = None,
     database_url: str | None = None,
+    workers: int | None = None,
+    slots_per_worker: int | None = None,
     log: Log = print,
 ) -> dict[str, Any]:
     """Run every mode on a fresh stack; return the result document."""
     workload = PRESETS[preset]
     if seed is not None:
         workload = replace(workload, seed=seed)
+    if workers:
+        workload = replace(workload, workers=workers)
+    if slots_per_worker:
+        workload = replace(workload, slots_per_worker=slots_per_worker)
     stack.redis_db_prepare(redis_url, force=force)
     work_dir = stack.BENCH_DIR
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,7 @@ class Workers:
                     env=self.env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=die_with_parent,
                 )
             )
         client = redis.Redis.from_url(self.env["REDIS_URL"])
@@ -170,6 +171,15 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def die_with_parent() -> None:
+    """preexec_fn for child processes: SIGKILL them when the process that started them dies,
+    so a crashed benchmark or test run can never leave workers consuming from its Redis."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:

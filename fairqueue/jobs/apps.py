@@ -11,3 +11,7 @@ class JobsConfig(AppConfig):
     def ready(self) -> None:
         # Register the demo tasks and the worker's signal handlers in every process.
         from fairqueue.jobs import demo_tasks, worker  # noqa: F401
+        from fairqueue.jobs.selectors import tenant_admin_live_state
+        from tenants.selectors import live_state_provider_register
+
+        live_state_provider_register(tenant_admin_live_state)

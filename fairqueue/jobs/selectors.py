@@ -5,6 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from django.db import models
+
 from fairqueue.jobs import payloads
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.services import JobError
@@ -48,11 +50,11 @@ def job_waiting_on(job: Job) -> dict[str, Any] | None:
     state = engine().inspect_job(tag=tag, job_id=job.engine_id)
     if state.status != "parked" or not state.parked_on:
         return None
-    key_state = engine().inspect_key(tag=tag, key=state.parked_on)
+    key_state = engine().inspect_key(tag=tag, key=state.parked_on, holders=False)
     return {
         "key": state.parked_on,
         "limit": key_state.limit,
-        "holders": len(key_state.holders),
+        "holders": key_state.held,
         "position": state.position,
     }
 
@@ -93,7 +95,7 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
         raise JobError(503, "policy_unavailable", "This tenant's policy is not synced yet; retry shortly.")
     signals = live.live_signals(tenant_slug=tp.slug)
     breakdown = tenant_limit_for(policy, tp, signals)
-    key = engine().inspect_key(tag=shard_tag(tp.shard), key=tenant_key(tp.slug))
+    key = engine().inspect_key(tag=shard_tag(tp.shard), key=tenant_key(tp.slug), holders=False)
     fleet = live.fleet_state()
     return {
         "tenant": tp.slug,
@@ -117,4 +119,18 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "in_flight": fleet.in_flight,
             "batch_in_flight": fleet.batch_in_flight,
         },
+    }
+
+
+def tenant_admin_live_state(tenant: Tenant) -> dict[str, Any]:
+    """For the tenant's admin page: why its jobs run or wait, and how many do."""
+    counts = dict(
+        Job.objects.filter(tenant=tenant, status__in=[JobStatus.QUEUED, JobStatus.PARKED, JobStatus.RUNNING])
+        .values_list("status")
+        .annotate(n=models.Count("id"))
+    )
+    return {
+        "Limit now (floor, base, ceiling, pressure, idle share)": tenant_limits_explain(tenant=tenant),
+        "Jobs queued / parked / running": f"{counts.get('queued', 0)} / {counts.get('parked', 0)} / "
+        f"{counts.get('running', 0)}",
     }
