@@ -47,7 +47,15 @@ from typing import Any
 
 import redis
 
-from fairqueue.bench.stack import ROOT, StackError, WebServer, fresh_database, redis_db_prepare, stack_env
+from fairqueue.bench.stack import (
+    ROOT,
+    StackError,
+    WebServer,
+    fresh_database,
+    redis_db_prepare,
+    stack_env,
+    worker_argv,
+)
 from fairqueue.engine import Engine
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
@@ -143,16 +151,7 @@ class WorkerPool:
             hostname = f"chaos{self._n}-{uuid.uuid4().hex[:4]}@localhost"
         log = (self.log_dir / f"{hostname.split('@')[0]}.log").open("wb")
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "manage.py",
-                "worker",
-                f"--concurrency={self.slots}",
-                "--pool=threads",
-                f"--hostname={hostname}",
-                "-l",
-                "warning",
-            ],
+            worker_argv(hostname=hostname, slots=self.slots),
             cwd=ROOT,
             env=self.env,
             stdout=log,
@@ -449,34 +448,33 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
     return {"duplicated": duplicated, "missing": missing}
 
 
+def _holders(client: redis.Redis, counts_key: str) -> int:
+    """Holders across all keys of a tag: the `counts` fields that are key names (limits are
+    `\0key` fields, the arrival counter and ready marker `\1…` fields)."""
+    return sum(int(v) for k, v in client.hgetall(counts_key).items() if k[:1] not in ("\0", "\1"))
+
+
 def engine_leftovers(redis_url: str) -> dict[str, Any]:
     """Everything the engine still holds, per tag, plus its own invariant check."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     eng = Engine(client, prefix=ENGINE_PREFIX)
     out: dict[str, Any] = {}
-    for jobs_key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:jobs", count=1000):
-        tag = jobs_key[len(ENGINE_PREFIX) + 2 : -len("}:jobs")]
+    # Every tag that has any engine key: a tag whose jobs hash is empty may still hold counts
+    # or waiters (a corrupt state), so look at the counts hashes too.
+    tags = set()
+    for name in ("jobs", "counts", "waits"):
+        for key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:{name}", count=1000):
+            tags.add(key[len(ENGINE_PREFIX) + 2 : -len(f"}}:{name}")])
+    for tag in sorted(tags):
         base = f"{ENGINE_PREFIX}:{{{tag}}}"
         out[tag] = {
             "job_specs": client.hlen(f"{base}:jobs"),
-            "holds": client.zcard(f"{base}:holds"),
+            "holds": _holders(client, f"{base}:counts"),
             "waiters": client.zcard(f"{base}:waits"),
             "leases": client.zcard(f"{base}:leases"),
             "problems": eng.check_invariants(tag=tag),
             "job_ids": sorted(client.hkeys(f"{base}:jobs"))[:20],
         }
-    # A tag whose jobs hash is empty may still have holds or waits (a corrupt state).
-    for holds_key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:holds", count=1000):
-        tag = holds_key[len(ENGINE_PREFIX) + 2 : -len("}:holds")]
-        if tag not in out:
-            out[tag] = {
-                "job_specs": 0,
-                "holds": client.zcard(holds_key),
-                "waiters": client.zcard(f"{ENGINE_PREFIX}:{{{tag}}}:waits"),
-                "leases": client.zcard(f"{ENGINE_PREFIX}:{{{tag}}}:leases"),
-                "problems": eng.check_invariants(tag=tag),
-                "job_ids": [],
-            }
     return out
 
 

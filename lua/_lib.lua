@@ -4,21 +4,28 @@
 --
 -- KEYS (identical for every script, all under one `{tag}` hash slot, see keys.py):
 --   1 jobs   HASH job_id -> spec (layout below)
---   2 counts HASH key -> holders        3 limits HASH key -> last limit passed
---   4 holds  ZSET key\0job (score 0)     5 waits  ZSET key\0<255-p:2 hex><seq:16 hex>\0job
---   6 wcount HASH key\0priority -> parked count
---   7 leases ZSET job -> lease expiry (ms, Redis TIME)   8 seq STRING arrival counter
+--   2 counts HASH  key -> holders (field deleted at 0) | "\0"..key -> last limit passed
+--                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
+--   3 waits  ZSET key\0<255-p:2 hex><seq:16 hex>\0job (score 0)
+--   4 leases ZSET job -> lease expiry (ms, Redis TIME); exactly the fully admitted jobs
+-- Key names contain neither \0 nor \1, so the field kinds of `counts` never collide, and
+-- one HMGET reads a job's counts and limits together.
 -- Spec: one string with a fixed-width header, so a state change rewrites the header and
 -- reuses the rest verbatim (cjson encode/decode cost more than the rest of an admit):
---   [1] status "w" parked | "r" admitted   [2] n = index of the next key to take, as a byte
---   (#keys+1 = holds all)   [3-4] 255-priority, 2 hex   [5-20] wait seq, 16 hex (parked)
---   [21..] lease ms .. "\0" .. key1 .. "\0" .. key2 ... .. "\1" .. data (keys sorted)
--- Invariant kept by every script: if a key has waiters then counts[key] >= limits[key].
-local K_JOBS, K_COUNTS, K_LIMITS, K_HOLDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local K_WAITS, K_WCOUNT, K_LEASES, K_SEQ = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+--   [1] n = index of the key the job is parked on, as a byte (#keys+1 when written by
+--   admit)   [2-3] 255-priority, 2 hex   [4-19] wait seq, 16 hex
+--   [20..] lease ms .. "\0" .. key1 .. "\0" .. key2 ... .. "\1" .. data (keys sorted)
+-- A job is admitted iff it is in `leases` (then it holds all its keys and n is stale: a
+-- handoff that completes a job does not rewrite its spec); otherwise it is parked on
+-- key n, holds keys 1..n-1 and has its wait entry. Holders of a key are not indexed
+-- (inspect scans the jobs: O(state), dashboards/tests only).
+-- Invariant kept by every script: if a key has waiters then count >= limit, so a
+-- newcomer only checks count < limit and cannot barge.
+local K_JOBS, K_COUNTS, K_WAITS, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local call = redis.call
 local fmt, sub, find, byte, char = string.format, string.sub, string.find, string.byte, string.char
 local NOSEQ = '0000000000000000'
+local READY, SEQ = '\1ready', '\1seq'
 
 -- Redis server time in milliseconds: the single clock of the engine.
 local function now_ms()
@@ -27,10 +34,11 @@ local function now_ms()
 end
 
 local function parse(raw)
-  local tail = sub(raw, 21)
+  local tail = sub(raw, 20)
   local z = find(tail, '\1', 1, true)
   local ks = sub(tail, 1, z - 1)
   local pos = find(ks, '\0', 1, true)
+  local ls = tonumber(sub(ks, 1, pos - 1))
   local k = {}
   while true do
     local nxt = find(ks, '\0', pos + 1, true)
@@ -41,14 +49,7 @@ local function parse(raw)
     k[#k + 1] = sub(ks, pos + 1, nxt - 1)
     pos = nxt
   end
-  return {
-    st = sub(raw, 1, 1), n = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = tail, k = k,
-    ls = tonumber(sub(ks, 1, find(ks, '\0', 1, true) - 1)), d = sub(tail, z + 1),
-  }
-end
-
-local function encode(s)
-  return s.st .. char(s.n) .. s.ip .. s.q .. s.tail
+  return { n = byte(raw, 1), ip = sub(raw, 2, 3), q = sub(raw, 4, 19), tail = tail, k = k, ls = ls, d = sub(tail, z + 1) }
 end
 
 local function prio(spec)
@@ -64,54 +65,42 @@ local function position(key, spec, job)
   return call('ZLEXCOUNT', K_WAITS, '[' .. key .. '\0', '[' .. wait_member(key, spec, job))
 end
 
-local function wcount_down(key, spec)
-  local wf = key .. '\0' .. prio(spec)
-  if call('HINCRBY', K_WCOUNT, wf, -1) <= 0 then call('HDEL', K_WCOUNT, wf) end
+-- Park the job on keys[n] (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten.
+local function park(job, spec, n)
+  spec.n = n
+  spec.q = fmt('%016x', call('HINCRBY', K_COUNTS, SEQ, 1))
+  call('ZADD', K_WAITS, 0, wait_member(spec.k[n], spec, job))
+  call('HSET', K_JOBS, job, char(n) .. spec.ip .. spec.q .. spec.tail)
 end
 
--- Take the job's keys from spec.n on while they have room; park on the first full one.
--- `lims` optionally caches limits the caller already read. Returns true when the job
--- holds every key (it then has a lease), false when parked. Writes the spec.
-local function grant(job, spec, now, lims)
-  local k, n = spec.k, spec.n
-  while n <= #k do
+-- A job that holds keys 1..spec.n-1 goes on to take the rest while they have room,
+-- parking on the first full one. Returns true when it holds every key (it then has a
+-- lease; its spec is not rewritten), false when parked.
+local function grant_rest(job, spec, now)
+  local k = spec.k
+  for n = spec.n, #k do
     local key = k[n]
-    local l = lims and lims[key] or tonumber(call('HGET', K_LIMITS, key)) or 0
-    -- Count first (one command on the common, admitted path); undo if there was no room.
-    local c = call('HINCRBY', K_COUNTS, key, 1)
-    if c > l then
-      if c > 1 then call('HINCRBY', K_COUNTS, key, -1) else call('HDEL', K_COUNTS, key) end
-      spec.n = n
-      spec.st = 'w'
-      spec.q = fmt('%016x', call('INCR', K_SEQ))
-      call('ZADD', K_WAITS, 0, wait_member(key, spec, job))
-      call('HINCRBY', K_WCOUNT, key .. '\0' .. prio(spec), 1)
-      call('HSET', K_JOBS, job, encode(spec))
+    local r = call('HMGET', K_COUNTS, key, '\0' .. key)
+    local c = tonumber(r[1]) or 0
+    if c >= (tonumber(r[2]) or 0) then
+      park(job, spec, n)
       return false
     end
-    call('ZADD', K_HOLDS, 0, key .. '\0' .. job)
-    n = n + 1
+    call('HSET', K_COUNTS, key, c + 1)
   end
-  spec.n = n
-  spec.st = 'r'
-  spec.q = NOSEQ
-  call('HSET', K_JOBS, job, encode(spec))
   call('ZADD', K_LEASES, now + spec.ls, job)
   return true
 end
 
--- While `key` has room and waiters, give the head waiter (highest priority, then FIFO)
--- the slot and let it go on to take its later keys. Fully admitted jobs are appended to
--- `woken` as job_id, data pairs. `c` is the holder count to start from and `stored` the
--- value now in Redis (both read when nil); the count is written back once at the end
--- (safe: a woken job only goes on to later keys, never this one).
-local function handoff(key, now, woken, c, stored)
-  if not c then
-    stored = tonumber(call('HGET', K_COUNTS, key)) or 0
-    c = stored
-  end
-  local l = tonumber(call('HGET', K_LIMITS, key)) or 0
-  if c < l then
+-- `key` now has `c` holders (Redis holds `stored`) and limit `l`: while it has room and
+-- waiters, give the head waiter (highest priority, then FIFO) the slot and let it go on
+-- to its later keys. Fully admitted jobs are appended to `woken` as job_id, data pairs.
+-- `full` says whether the key may have waiters at all: by the invariant only a key that
+-- was full (count >= limit) can, so a release on a key that had room skips the lookup.
+-- The count is written back once at the end (safe: a woken job only goes on to later
+-- keys, never this one), so a release that hands its slot on writes no count at all.
+local function handoff(key, c, l, stored, now, woken, full)
+  if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
     local skip = #key + 21
     while c < l do
@@ -120,11 +109,9 @@ local function handoff(key, now, woken, c, stored)
       call('ZREM', K_WAITS, head)
       local job = sub(head, skip)
       local spec = parse(call('HGET', K_JOBS, job))
-      wcount_down(key, spec)
-      call('ZADD', K_HOLDS, 0, key .. '\0' .. job)
       c = c + 1
       spec.n = spec.n + 1
-      if grant(job, spec, now) then
+      if grant_rest(job, spec, now) then
         woken[#woken + 1] = job
         woken[#woken + 1] = spec.d
       end
@@ -133,32 +120,42 @@ local function handoff(key, now, woken, c, stored)
   if c ~= stored then
     if c > 0 then call('HSET', K_COUNTS, key, c) else call('HDEL', K_COUNTS, key) end
   end
+  return c ~= stored
 end
 
--- Remove a job entirely: its wait entry (a waiter leaving never frees room), its lease
--- and spec, then each held key in canonical order, handing each on as it frees (so a job
--- woken on an earlier key never barges past a later key's waiters).
-local function drop(job, spec, now, woken)
-  if spec.st == 'w' then
-    local key = spec.k[spec.n]
-    call('ZREM', K_WAITS, wait_member(key, spec, job))
-    wcount_down(key, spec)
-  else
-    call('ZREM', K_LEASES, job)
-  end
+-- Hand on `key` after its limit rose from `was` to `l`, reading its count. True if a
+-- waiter got a slot (counts moved).
+local function handoff_key(key, l, was, now, woken)
+  local c = tonumber(call('HGET', K_COUNTS, key)) or 0
+  return handoff(key, c, l, c, now, woken, c >= was)
+end
+
+-- Remove a job entirely: its spec, lease or wait entry (a waiter leaving never frees
+-- room), then each held key in canonical order, handing each on as it frees (so a job
+-- woken on an earlier key never barges past a later key's waiters). `admitted` is
+-- looked up (the lease removed) when nil.
+local function drop(job, spec, now, woken, admitted)
   call('HDEL', K_JOBS, job)
+  local removed = call('ZREM', K_LEASES, job)
+  if admitted == nil then admitted = removed == 1 end
   local k = spec.k
-  for i = 1, spec.n - 1 do
+  local held = #k
+  if not admitted then
+    held = spec.n - 1
+    call('ZREM', K_WAITS, wait_member(k[spec.n], spec, job))
+  end
+  for i = 1, held do
     local key = k[i]
-    call('ZREM', K_HOLDS, key .. '\0' .. job)
-    local stored = tonumber(call('HGET', K_COUNTS, key)) or 0
-    handoff(key, now, woken, stored - 1, stored)
+    local r = call('HMGET', K_COUNTS, key, '\0' .. key)
+    local c, l = tonumber(r[1]) or 0, tonumber(r[2]) or 0
+    handoff(key, c - 1, l, c, now, woken, c >= l)
   end
 end
 
 -- Release up to `max` jobs whose lease ran out (earliest expiry first), appending them to
--- `reclaimed` as job_id, data pairs.
+-- `reclaimed` as job_id, data pairs. One cheap ZCOUNT when nothing is due.
 local function reclaim(now, max, woken, reclaimed)
+  if call('ZCOUNT', K_LEASES, '-inf', now) == 0 then return end
   local due = call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, max)
   for i = 1, #due do
     local job = due[i]
@@ -167,33 +164,42 @@ local function reclaim(now, max, woken, reclaimed)
       local spec = parse(raw)
       reclaimed[#reclaimed + 1] = job
       reclaimed[#reclaimed + 1] = spec.d
-      drop(job, spec, now, woken)
+      drop(job, spec, now, woken, true)
     else
       call('ZREM', K_LEASES, job)
     end
   end
 end
 
--- Store limits passed as ARGV[first], ARGV[first+1], ... pairs (keys sorted), all at
--- once; then hand on every key whose limit rose, in REVERSE canonical order: a job woken
--- on a key only goes on to later keys, whose queues are then already served, so it can
--- never barge past their waiters. Returns the keys and a key -> limit table.
-local function store_limits(first, now, woken)
-  local keys, lims, raised = {}, {}, {}
-  for i = first, #ARGV, 2 do
-    local key, lim = ARGV[i], tonumber(ARGV[i + 1])
-    keys[#keys + 1] = key
-    lims[key] = lim
-    local old = tonumber(call('HGET', K_LIMITS, key))
-    if old ~= lim then
-      call('HSET', K_LIMITS, key, lim)
-      if not old or lim > old then raised[#raised + 1] = key end
+-- Compare the limits passed as ARGV[first], ARGV[first+1], ... pairs (keys sorted) with
+-- `old` (old[i] = stored limit of the i-th key, string or false), store the changed ones
+-- with one HSET, then hand on every key whose limit
+-- rose, in REVERSE canonical order: a job woken on a key only goes on to later keys,
+-- whose queues are then already served, so it can never barge past their waiters. A key
+-- with no stored limit has no waiters (every admit stores its keys' limits first).
+-- Returns true when a waiter got a slot (counts read before are stale).
+local function store_limits(first, old, now, woken)
+  local set, raised = {}, {}
+  local i = 0
+  for a = first, #ARGV, 2 do
+    i = i + 1
+    local lim, was = tonumber(ARGV[a + 1]), tonumber(old[i])
+    if was ~= lim then
+      set[#set + 1] = '\0' .. ARGV[a]
+      set[#set + 1] = lim
+      if was and lim > was then
+        raised[#raised + 1] = a
+        raised[#raised + 1] = was
+      end
     end
   end
-  for i = #raised, 1, -1 do
-    handoff(raised[i], now, woken)
+  if #set > 0 then call('HSET', K_COUNTS, unpack(set)) end
+  local moved = false
+  for j = #raised - 1, 1, -2 do
+    local a = raised[j]
+    if handoff_key(ARGV[a], tonumber(ARGV[a + 1]), raised[j + 1], now, woken) then moved = true end
   end
-  return keys, lims
+  return moved
 end
 
 -- (end of _lib.lua)

@@ -1,5 +1,5 @@
 -- inspect_job.lua: one job's state (read only).
--- KEYS: the 8 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id
 -- Returns: {status "r" admitted | "w" parked | "" unknown, held keys {key, ...},
 --           parked key or "", position (1-based, 0 if not parked), lease expiry (ms, -1 if none),
@@ -8,11 +8,9 @@ local job = ARGV[1]
 local raw = call('HGET', K_JOBS, job)
 if not raw then return {'', {}, '', 0, -1, 0, ''} end
 local spec = parse(raw)
+local lease = tonumber(call('ZSCORE', K_LEASES, job))
+if lease then return {'r', spec.k, '', 0, lease, prio(spec), spec.d} end
 local held = {}
 for i = 1, spec.n - 1 do held[i] = spec.k[i] end
-local lease = tonumber(call('ZSCORE', K_LEASES, job)) or -1
-if spec.st == 'w' then
-  local key = spec.k[spec.n]
-  return {'w', held, key, position(key, spec, job), lease, prio(spec), spec.d}
-end
-return {'r', held, '', 0, lease, prio(spec), spec.d}
+local key = spec.k[spec.n]
+return {'w', held, key, position(key, spec, job), -1, prio(spec), spec.d}

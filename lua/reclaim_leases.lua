@@ -1,5 +1,5 @@
 -- reclaim_leases.lua: release jobs whose lease ran out (their worker died or hung).
--- KEYS: the 8 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: max jobs to reclaim in this call (int >= 1)
 -- Does: release up to max jobs with lease <= now (Redis TIME, ms), earliest first,
 -- handing their slots on.

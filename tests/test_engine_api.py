@@ -39,6 +39,8 @@ class EngineBehaviour(RedisTestCase):
         self.assertTrue(res.found)
         self.assertEqual(res.woken, [Woken("b", "d-b")])
         self.assertEqual(self.e.inspect_key(tag=T, key="k").holders, ["b"])
+        lean = self.e.inspect_key(tag=T, key="k", holders=False)
+        self.assertEqual((lean.holders, lean.held, lean.waiting, lean.limit), ([], 1, 1, 1))
         self.assertEqual(self.e.inspect_job(tag=T, job_id="c").position, 1)
 
     def test_priority_then_fifo(self) -> None:
@@ -201,7 +203,34 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(self.e.counts(tag=T, keys=["x", "y", "z"]), {"x": 1, "y": 1, "z": 0})
         self.e.release(tag=T, job_id="a")
         names = {k.decode().rsplit(":", 1)[1] for k in self.e.client.keys("*")}
-        self.assertEqual(names, {"limits"})  # no holders, waiters, specs or leases left
+        self.assertEqual(names, {"counts"})  # no holders, waiters, specs or leases left
+        self.assertEqual(set(self.e.client.hkeys(tag_keys("fq", T)[1])), {b"\0x", b"\0y"})  # only the limits
+
+    def test_require_ready_admits_nothing_until_the_tag_is_initialised(self) -> None:
+        # A fresh (or flushed) tag is not ready: a guarded admit stores nothing at all.
+        out = self.e.admit(tag=T, job_id="a", keys={"k": 5}, lease_seconds=60, require_ready=True)
+        self.assertEqual((out.admitted, out.parked_on, out.position, out.not_ready), (False, None, None, True))
+        self.assertEqual(self.e.client.dbsize(), 0)
+        bulk = self.e.admit_many([AdmitRequest(T, "b", {"k": 5}, 60)], require_ready=True)
+        self.assertTrue(bulk[0].not_ready)
+        bulk = self.e.admit_many([AdmitRequest(T, "b", {"k": 5}, 60, require_ready=True)])
+        self.assertTrue(bulk[0].not_ready)
+        self.assertEqual(self.e.set_limits(tag=T, limits={"k": 3}, require_ready=True), [])
+        self.assertEqual(self.e.client.dbsize(), 0)
+        # A rebuild re-enters what it knows unguarded, then marks the tag ready (idempotent).
+        self.assertTrue(self.admit("running", {"k": 1}).admitted)
+        self.assertTrue(self.e.init_tag(tag=T))
+        self.assertFalse(self.e.init_tag(tag=T))
+        out = self.e.admit(tag=T, job_id="a", keys={"k": 1}, lease_seconds=60, require_ready=True)
+        self.assertEqual((out.admitted, out.parked_on, out.position, out.not_ready), (False, "k", 1, False))
+        again = self.e.admit(tag=T, job_id="running", keys={"k": 1}, lease_seconds=60, require_ready=True)
+        self.assertTrue(again.admitted and again.duplicate and not again.not_ready)
+        self.assertFalse(self.e.admit(tag="s:other", job_id="x", keys={"k": 1}, lease_seconds=60).not_ready)
+        self.assertEqual(self.e.set_limits(tag=T, limits={"k": 2}, require_ready=True), [Woken("a", "")])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        # Losing the data (FLUSHDB) loses readiness with it.
+        self.e.client.flushdb()
+        self.assertTrue(self.e.admit(tag=T, job_id="c", keys={"k": 1}, lease_seconds=60, require_ready=True).not_ready)
 
     def test_validation(self) -> None:
         bad = [
@@ -257,6 +286,11 @@ class AsyncEngineBehaviour(RedisTestCase):
                 self.assertEqual(await e.counts(tag=T, keys=["k"]), {"k": 0})
                 self.assertEqual((await e.reclaim(tag=T)).reclaimed, [])
                 self.assertEqual(await e.check_invariants(tag=T), [])
+                nr = await e.admit(tag="s:new", job_id="n", keys={"k": 1}, lease_seconds=60, require_ready=True)
+                self.assertTrue(nr.not_ready)
+                self.assertTrue(await e.init_tag(tag="s:new"))
+                nr = await e.admit(tag="s:new", job_id="n", keys={"k": 1}, lease_seconds=60, require_ready=True)
+                self.assertTrue(nr.admitted and not nr.not_ready)
             finally:
                 await client.aclose()
 

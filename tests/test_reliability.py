@@ -12,7 +12,7 @@ from django.test import Client, override_settings
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.recovery import STATE_KEY
 from tests.factories import make_tenant
-from tests.test_jobs_e2e import E2EBase
+from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
 DEAD_REDIS = "redis://127.0.0.1:1/15"  # nothing listens on port 1: a real connection failure
@@ -37,6 +37,25 @@ class RedisLossTests(E2EBase):
         by_id = {str(j.id): j for j in jobs}
         starts = [by_id[str(i)].started_at for i in ids]
         self.assertEqual(starts, sorted(starts), "parked jobs must be re-entered in submission order")
+
+    def test_a_newcomer_after_a_flush_waits_for_the_job_the_engine_forgot(self) -> None:
+        # Redis loses its data while a job holds the tenant's only slot: the web process must
+        # not admit a newcomer into the empty engine state before a worker has rebuilt it.
+        _, key = make_tenant("forgotten", max_concurrency=1)
+        with WorkerProcess(slots=2):
+            first = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 3.0}})["id"]
+            wait_for(lambda: Job.objects.get(id=first).status == JobStatus.RUNNING, message="first job running")
+            wait_for(lambda: self.redis.exists(STATE_KEY), message="the worker to mark the state built")
+            self.redis.flushdb()
+            second = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.5}})
+            self.assertEqual(second["status"], "queued")
+            self.assertIsNone(Job.objects.get(id=second["id"]).admitted_at)
+            jobs = self.wait_all_finished([first, second["id"]], timeout=60)
+        self.assertTrue(all(j.status == JobStatus.SUCCEEDED for j in jobs), [j.status for j in jobs])
+        by_id = {str(j.id): j for j in jobs}
+        a, b = by_id[str(first)], by_id[str(second["id"])]
+        self.assertEqual(max_overlap([(a.started_at, a.finished_at), (b.started_at, b.finished_at)]), 1)
+        self.assertGreaterEqual(b.started_at, a.finished_at)
 
     def test_jobs_accepted_while_redis_is_unreachable_run_when_it_is_back(self) -> None:
         _, key = make_tenant("patient")

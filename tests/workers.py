@@ -6,7 +6,6 @@ import atexit
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +14,7 @@ import redis
 from django.conf import settings
 from django.db import connection
 
-from fairqueue.bench.stack import die_with_parent
+from fairqueue.bench.stack import die_with_parent, worker_argv
 from fairqueue.jobs.worker import SEEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,15 +61,7 @@ class WorkerProcess:
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "manage.py",
-                "worker",
-                f"--concurrency={self.slots}",
-                f"--hostname={self.hostname}",
-                "-l",
-                "info",
-            ],
+            worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info"),
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -123,16 +123,7 @@ class Workers:
             log = (self.log_dir / f"{hostname.split('@')[0]}.log").open("wb")
             self.procs.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "manage.py",
-                        "worker",
-                        f"--concurrency={self.slots}",
-                        "--pool=threads",
-                        f"--hostname={hostname}",
-                        "-l",
-                        "warning",
-                    ],
+                    worker_argv(hostname=hostname, slots=self.slots),
                     cwd=ROOT,
                     env=self.env,
                     stdout=log,
@@ -171,6 +162,20 @@ class Workers:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def worker_argv(*, hostname: str, slots: int, loglevel: str = "warning") -> list[str]:
+    """The command line of one real worker process (threads pool), for benches, chaos, tests."""
+    return [
+        sys.executable,
+        "manage.py",
+        "worker",
+        f"--concurrency={slots}",
+        "--pool=threads",
+        f"--hostname={hostname}",
+        "-l",
+        loglevel,
+    ]
 
 
 def die_with_parent() -> None:

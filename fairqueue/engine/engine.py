@@ -40,14 +40,31 @@ class _Base:
         self.prefix = prefix
 
     def _admit(
-        self, tag: str, job_id: str, keys: KeysArg, priority: int, lease_seconds: float, data: str
+        self,
+        tag: str,
+        job_id: str,
+        keys: KeysArg,
+        priority: int,
+        lease_seconds: float,
+        data: str,
+        require_ready: bool,
     ) -> ops.Call[Admission]:
         return ops.admit(
-            self.prefix, tag=tag, job_id=job_id, keys=keys, priority=priority, lease_seconds=lease_seconds, data=data
+            self.prefix,
+            tag=tag,
+            job_id=job_id,
+            keys=keys,
+            priority=priority,
+            lease_seconds=lease_seconds,
+            data=data,
+            require_ready=require_ready,
         )
 
-    def _admit_calls(self, items: Iterable[AdmitRequest]) -> list[ops.Call[Admission]]:
-        return [self._admit(i.tag, i.job_id, i.keys, i.priority, i.lease_seconds, i.data) for i in items]
+    def _admit_calls(self, items: Iterable[AdmitRequest], require_ready: bool) -> list[ops.Call[Admission]]:
+        return [
+            self._admit(i.tag, i.job_id, i.keys, i.priority, i.lease_seconds, i.data, require_ready or i.require_ready)
+            for i in items
+        ]
 
     def _sweep_calls(
         self, tags: Iterable[str], max_jobs_per_tag: int
@@ -108,14 +125,22 @@ class Engine(_Base):
         return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     def admit(
-        self, *, tag: str, job_id: str, keys: KeysArg, priority: int = 0, lease_seconds: float, data: str = ""
+        self,
+        *,
+        tag: str,
+        job_id: str,
+        keys: KeysArg,
+        priority: int = 0,
+        lease_seconds: float,
+        data: str = "",
+        require_ready: bool = False,
     ) -> Admission:
         """Admit a job on all its keys, or park it on the first full one (one round trip)."""
-        return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data))
+        return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data, require_ready))
 
-    def admit_many(self, items: Iterable[AdmitRequest]) -> list[Admission]:
+    def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
         """Bulk submit: every admit pipelined in one round trip, each still atomic."""
-        return self._run_many(self._admit_calls(items))
+        return self._run_many(self._admit_calls(items, require_ready))
 
     def release(self, *, tag: str, job_id: str) -> ReleaseResult:
         """Free the job's keys; the woken jobs returned must be dispatched by the caller."""
@@ -138,13 +163,15 @@ class Engine(_Base):
         tag_list, calls = self._sweep_calls(tags, max_jobs_per_tag)
         return dict(zip(tag_list, self._run_many(calls), strict=True))
 
-    def set_limits(self, *, tag: str, limits: KeysArg) -> list[Woken]:
-        """Store limits now (an operator change); a raised limit wakes waiters at once."""
-        return self._run(ops.set_limits(self.prefix, tag=tag, limits=limits))
+    def set_limits(self, *, tag: str, limits: KeysArg, require_ready: bool = False) -> list[Woken]:
+        """Store limits now (an operator change); a raised limit wakes waiters at once.
+        With ``require_ready`` a tag not ready (see ``init_tag``) is left untouched."""
+        return self._run(ops.set_limits(self.prefix, tag=tag, limits=limits, require_ready=require_ready))
 
-    def inspect_key(self, *, tag: str, key: str) -> KeyState:
-        """Limit, holders and waiters per priority of one key."""
-        return self._run(ops.inspect_key(self.prefix, tag=tag, key=key))
+    def inspect_key(self, *, tag: str, key: str, holders: bool = True) -> KeyState:
+        """Limit, holders and waiters per priority of one key. Listing the holders scans
+        the tag's jobs (O(state)); ``holders=False`` skips it (``held`` still counts them)."""
+        return self._run(ops.inspect_key(self.prefix, tag=tag, key=key, holders=holders))
 
     def inspect_job(self, *, tag: str, job_id: str) -> JobState:
         """Status, held keys, parked key and position of one job."""
@@ -156,6 +183,13 @@ class Engine(_Base):
         if not names:
             return {}
         return self._counts_decode(names, self.client.hmget(name, names))
+
+    def init_tag(self, *, tag: str) -> bool:
+        """Mark a tag ready (idempotent): its state is complete. True if this call did it.
+
+        ``require_ready`` admits do nothing on a tag that is not ready, which is what keeps
+        a newcomer out of a tag whose state Redis lost until the caller has rebuilt it."""
+        return self._run(ops.init_tag(self.prefix, tag=tag))
 
     def check_invariants(self, *, tag: str) -> list[str]:
         """O(state) audit of one tag's consistency; empty when sound. Tests and ops only."""
@@ -210,14 +244,22 @@ class AsyncEngine(_Base):
         return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     async def admit(
-        self, *, tag: str, job_id: str, keys: KeysArg, priority: int = 0, lease_seconds: float, data: str = ""
+        self,
+        *,
+        tag: str,
+        job_id: str,
+        keys: KeysArg,
+        priority: int = 0,
+        lease_seconds: float,
+        data: str = "",
+        require_ready: bool = False,
     ) -> Admission:
         """See ``Engine.admit``."""
-        return await self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data))
+        return await self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data, require_ready))
 
-    async def admit_many(self, items: Iterable[AdmitRequest]) -> list[Admission]:
+    async def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
         """See ``Engine.admit_many``."""
-        return await self._run_many(self._admit_calls(items))
+        return await self._run_many(self._admit_calls(items, require_ready))
 
     async def release(self, *, tag: str, job_id: str) -> ReleaseResult:
         """See ``Engine.release``."""
@@ -240,13 +282,13 @@ class AsyncEngine(_Base):
         tag_list, calls = self._sweep_calls(tags, max_jobs_per_tag)
         return dict(zip(tag_list, await self._run_many(calls), strict=True))
 
-    async def set_limits(self, *, tag: str, limits: KeysArg) -> list[Woken]:
+    async def set_limits(self, *, tag: str, limits: KeysArg, require_ready: bool = False) -> list[Woken]:
         """See ``Engine.set_limits``."""
-        return await self._run(ops.set_limits(self.prefix, tag=tag, limits=limits))
+        return await self._run(ops.set_limits(self.prefix, tag=tag, limits=limits, require_ready=require_ready))
 
-    async def inspect_key(self, *, tag: str, key: str) -> KeyState:
+    async def inspect_key(self, *, tag: str, key: str, holders: bool = True) -> KeyState:
         """See ``Engine.inspect_key``."""
-        return await self._run(ops.inspect_key(self.prefix, tag=tag, key=key))
+        return await self._run(ops.inspect_key(self.prefix, tag=tag, key=key, holders=holders))
 
     async def inspect_job(self, *, tag: str, job_id: str) -> JobState:
         """See ``Engine.inspect_job``."""
@@ -258,6 +300,10 @@ class AsyncEngine(_Base):
         if not names:
             return {}
         return self._counts_decode(names, await self.client.hmget(name, names))
+
+    async def init_tag(self, *, tag: str) -> bool:
+        """See ``Engine.init_tag``."""
+        return await self._run(ops.init_tag(self.prefix, tag=tag))
 
     async def check_invariants(self, *, tag: str) -> list[str]:
         """See ``Engine.check_invariants``."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-#: Order matters: the Lua scripts read KEYS[1..8] by position (see lua/_lib.lua).
-KEY_NAMES: tuple[str, ...] = ("jobs", "counts", "limits", "holds", "waits", "wcount", "leases", "seq")
+#: Order matters: the Lua scripts read KEYS[1..4] by position (see lua/_lib.lua).
+#: ``counts`` also holds the limits (field ``"\0" + key``), the arrival counter and the
+#: ready marker; a key's holder count is its plain field, so one HMGET reads counts.
+KEY_NAMES: tuple[str, ...] = ("jobs", "counts", "waits", "leases")
 
 
 def validate_tag(tag: str) -> None:

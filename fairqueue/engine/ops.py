@@ -106,25 +106,36 @@ def _flatten(pairs: list[tuple[str, int]]) -> list[str | int]:
 
 
 def admit(
-    prefix: str, *, tag: str, job_id: str, keys: KeysArg, priority: int, lease_seconds: float, data: str
+    prefix: str,
+    *,
+    tag: str,
+    job_id: str,
+    keys: KeysArg,
+    priority: int,
+    lease_seconds: float,
+    data: str,
+    require_ready: bool = False,
 ) -> Call[Admission]:
     """Encode an admit (see lua/admit_job.lua)."""
     _check_job_id(job_id)
     _check_int("priority", priority, 0, MAX_PRIORITY)
     if not isinstance(data, str):
         raise ValueError("data must be a string")
-    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, *_flatten(key_limits(keys)))
+    flag = 1 if require_ready else 0
+    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, flag, *_flatten(key_limits(keys)))
 
     def decode(r: list[Any]) -> Admission:
         admitted = bool(r[0])
+        not_ready = len(r) > 6 and bool(r[6])
         return Admission(
             job_id=job_id,
             admitted=admitted,
-            parked_on=None if admitted else text(r[1]),
-            position=None if admitted else int(r[2]),
+            parked_on=None if admitted or not_ready else text(r[1]),
+            position=None if admitted or not_ready else int(r[2]),
             woken=_woken(r[3]),
             reclaimed=_woken(r[4]),
             duplicate=bool(r[5]),
+            not_ready=not_ready,
         )
 
     return Call("admit_job", tag_keys(prefix, tag), args, decode)
@@ -169,13 +180,13 @@ def reclaim(prefix: str, *, tag: str, max_jobs: int) -> Call[ReclaimResult]:
     )
 
 
-def set_limits(prefix: str, *, tag: str, limits: KeysArg) -> Call[list[Woken]]:
+def set_limits(prefix: str, *, tag: str, limits: KeysArg, require_ready: bool = False) -> Call[list[Woken]]:
     """Encode a limit change (see lua/set_limits.lua)."""
-    args = tuple(_flatten(key_limits(limits, allow_empty=True)))
+    args = (1 if require_ready else 0, *_flatten(key_limits(limits, allow_empty=True)))
     return Call("set_limits", tag_keys(prefix, tag), args, _woken)
 
 
-def inspect_key(prefix: str, *, tag: str, key: str) -> Call[KeyState]:
+def inspect_key(prefix: str, *, tag: str, key: str, holders: bool = True) -> Call[KeyState]:
     """Encode a key inspection (see lua/inspect_key.lua)."""
     _check_key_name(key)
 
@@ -183,9 +194,10 @@ def inspect_key(prefix: str, *, tag: str, key: str) -> Call[KeyState]:
         flat = r[2]
         by_prio = {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         limit = int(r[0])
-        return KeyState(key, None if limit < 0 else limit, [text(h) for h in r[1]], by_prio, int(r[3]))
+        names = [text(h) for h in r[1]]
+        return KeyState(key, None if limit < 0 else limit, names, by_prio, int(r[3]), int(r[4]))
 
-    return Call("inspect_key", tag_keys(prefix, tag), (key,), decode)
+    return Call("inspect_key", tag_keys(prefix, tag), (key, 1 if holders else 0), decode)
 
 
 def inspect_job(prefix: str, *, tag: str, job_id: str) -> Call[JobState]:
@@ -210,6 +222,11 @@ def inspect_job(prefix: str, *, tag: str, job_id: str) -> Call[JobState]:
         )
 
     return Call("inspect_job", tag_keys(prefix, tag), (job_id,), decode)
+
+
+def init_tag(prefix: str, *, tag: str) -> Call[bool]:
+    """Encode marking a tag ready (see lua/init_tag.lua)."""
+    return Call("init_tag", tag_keys(prefix, tag), (), lambda r: bool(r))
 
 
 def check_invariants(prefix: str, *, tag: str) -> Call[list[str]]:

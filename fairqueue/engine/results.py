@@ -30,7 +30,9 @@ class Woken:
 @dataclass(frozen=True)
 class Admission:
     """Outcome of an admit. ``parked_on``/``position`` (1-based) are set when parked;
-    ``duplicate`` means the job was already known and its current state is reported."""
+    ``duplicate`` means the job was already known and its current state is reported;
+    ``not_ready`` means ``require_ready`` was set and the tag is not ready (its state was
+    lost and not rebuilt yet): nothing was stored, the caller must admit the job later."""
 
     job_id: str
     admitted: bool
@@ -39,6 +41,7 @@ class Admission:
     woken: list[Woken] = field(default_factory=list)
     reclaimed: list[Woken] = field(default_factory=list)
     duplicate: bool = False
+    not_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,18 +74,21 @@ class ReclaimResult:
 @dataclass(frozen=True)
 class KeyState:
     """A key as dashboards see it. ``limit`` is None if no caller ever passed one;
-    ``waiters_by_priority`` maps priority -> parked count (highest first)."""
+    ``waiters_by_priority`` maps priority -> parked count (highest first). ``holders`` is
+    only filled when asked for (``inspect_key(holders=True)``, the default); ``held`` is
+    the holder count either way."""
 
     key: str
     limit: int | None
     holders: list[str]
     waiters_by_priority: dict[int, int]
     waiting: int
+    held_count: int | None = None
 
     @property
     def held(self) -> int:
         """Number of holders."""
-        return len(self.holders)
+        return len(self.holders) if self.held_count is None else self.held_count
 
 
 @dataclass(frozen=True)
@@ -109,3 +115,4 @@ class AdmitRequest:
     lease_seconds: float
     priority: int = 0
     data: str = ""
+    require_ready: bool = False

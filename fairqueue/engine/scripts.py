@@ -27,6 +27,7 @@ SCRIPT_NAMES: tuple[str, ...] = (
     "inspect_key",
     "inspect_job",
     "check_invariants",
+    "init_tag",
 )
 
 

@@ -8,7 +8,9 @@ marker is gone) and, under a lock, re-enters every unfinished job:
 - `queued`/`parked` jobs are re-admitted in their original submission order, so the
   waiter queues come back FIFO, and admitted ones are dispatched (duplicate broker
   messages, if any survived, are stopped by the claim guard).
-Engine ids are kept (no new generation), so re-admission is idempotent.
+Engine ids are kept (no new generation), so re-admission is idempotent. Until the rebuild
+marks each shard's engine tag ready (`Engine.init_tag`), ordinary admissions on it do
+nothing (`require_ready`): a newcomer cannot take a slot a still-running job holds.
 
 Jobs accepted while Redis was unreachable sit `queued` with no admission; the same tick
 admits them once they are a few seconds old.
@@ -25,7 +27,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs.models import Job, JobStatus
-from fairqueue.jobs.runtime import redis_client
+from fairqueue.jobs.runtime import engine, redis_client
 
 log = logging.getLogger("fairqueue.recovery")
 
@@ -62,18 +64,22 @@ def _chunks(qs: QuerySet[Job]) -> list[list[Job]]:
 
 def state_rebuild() -> dict[str, int]:
     """Re-enter every unfinished job into the engine, oldest first."""
+    from fairqueue.jobs.admission import shard_tag
     from fairqueue.jobs.services import jobs_admit
     from tenants.policy import policy_snapshot
 
     policy = policy_snapshot()  # also resyncs policy if Redis lost it
     running = 0
     for chunk in _chunks(Job.objects.filter(status=JobStatus.RUNNING)):
-        jobs_admit(chunk, policy=policy, dispatch=False, running=True)
+        jobs_admit(chunk, policy=policy, dispatch=False, running=True, rebuilding=True)
         running += len(chunk)
     waiting = 0
     for chunk in _chunks(Job.objects.filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])):
-        jobs_admit(chunk, policy=policy)
+        jobs_admit(chunk, policy=policy, rebuilding=True)
         waiting += len(chunk)
+    # The engine state now holds every unfinished job: guarded admissions may go ahead.
+    for shard_name in policy.shards:
+        engine().init_tag(tag=shard_tag(shard_name))
     return {"running": running, "waiting": waiting}
 
 

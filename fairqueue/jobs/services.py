@@ -191,23 +191,68 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
 
 
 def jobs_admit(
-    jobs: Sequence[Job], *, policy: PolicySnapshot | None = None, dispatch: bool = True, running: bool = False
+    jobs: Sequence[Job],
+    *,
+    policy: PolicySnapshot | None = None,
+    dispatch: bool = True,
+    running: bool = False,
+    rebuilding: bool = False,
 ) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
 
     Redis trouble here leaves the jobs `queued` in the database, where recovery admits
     them later (fairqueue.jobs.recovery). `running=True` re-enters jobs that are already
     running (after Redis lost its state) with a running lease and no dispatch.
+
+    Normal admissions require the shard's engine tag to be ready: after Redis lost its
+    state the engine does not know the jobs still running until a worker rebuilds it, and
+    admitting a newcomer then could run a tenant above its limit. Such jobs stay `queued`
+    with no admission; the rebuild (`rebuilding=True`, unguarded) or the pending sweep
+    admits them. A shard with no unfinished job at all has nothing to rebuild: its tag is
+    marked ready on the spot and the admission retried once (a fresh Redis, tests).
     """
     if not jobs:
         return
     try:
-        _jobs_admit(jobs, policy=policy or policy_snapshot(), dispatch=dispatch, running=running)
+        _jobs_admit(
+            jobs,
+            policy=policy or policy_snapshot(),
+            dispatch=dispatch,
+            running=running,
+            require_ready=not running and not rebuilding,
+        )
     except redis.RedisError:
         log.warning("Redis unreachable: %d job(s) stay queued until it is back", len(jobs))
 
 
-def _jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool) -> None:
+def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence[Job]) -> set[str]:
+    """Mark ready each tag whose shard has no unfinished job besides `exclude` (nothing the
+    engine could have lost, so nothing to rebuild); returns the tags marked."""
+    from fairqueue.jobs.admission import shard_tag
+
+    excluded = [j.id for j in exclude]
+    ready: set[str] = set()
+    for shard_name in policy.shards:
+        tag = shard_tag(shard_name)
+        if tag not in tags:
+            continue
+        busy = (
+            Job.objects.filter(
+                tenant__shard__name=shard_name,
+                status__in=[JobStatus.RUNNING, JobStatus.QUEUED, JobStatus.PARKED],
+            )
+            .exclude(id__in=excluded)
+            .exists()
+        )
+        if not busy:
+            engine().init_tag(tag=tag)
+            ready.add(tag)
+    return ready
+
+
+def _jobs_admit(
+    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool
+) -> None:
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
     admitted_jobs = []
@@ -233,17 +278,32 @@ def _jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, 
                 priority=plan.priority,
                 lease_seconds=lease_seconds,
                 data=queue_name(job.latency_class, batch=job.in_batch_lane),
+                require_ready=require_ready,
             )
         )
         admitted_jobs.append(job)
     started = time.perf_counter()
     outcomes: list[Admission] = engine().admit_many(items)
     stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
+    unready = [i for i, o in enumerate(outcomes) if o.not_ready]
+    if unready:
+        retry = _tags_init_if_idle({items[i].tag for i in unready}, policy, admitted_jobs)
+        again = [i for i in unready if items[i].tag in retry]
+        if again:
+            for i, o in zip(again, engine().admit_many([items[i] for i in again]), strict=True):
+                outcomes[i] = o
     if running:
         return
     now = timezone.now()
-    parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted]
+    waiting_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.not_ready]
+    parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted and not o.not_ready]
     go_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.admitted]
+    if waiting_ids:
+        # Not admitted: recovery's pending sweep (or the state rebuild) admits them later.
+        log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting_ids))
+        Job.objects.filter(id__in=waiting_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
+            status=JobStatus.QUEUED, admitted_at=None
+        )
     if parked_ids:
         Job.objects.filter(id__in=parked_ids, status=JobStatus.QUEUED).update(status=JobStatus.PARKED)
     if go_ids:
@@ -258,6 +318,9 @@ def _jobs_admit(jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, 
                 job.admitted_at = now
             job.status = JobStatus.QUEUED
             _send(job.engine_id, queue_name(job.latency_class, batch=job.in_batch_lane))
+        elif outcome.not_ready:
+            job.status = JobStatus.QUEUED
+            job.admitted_at = None
         elif job.status == JobStatus.QUEUED:
             job.status = JobStatus.PARKED
     outcomes_handle(woken=[w for o in outcomes for w in o.woken], reclaimed=[r for o in outcomes for r in o.reclaimed])
@@ -271,23 +334,48 @@ def _split_engine_id(engine_id: str) -> tuple[str, int]:
     return job_id, int(gen)
 
 
+_producers = threading.local()
+
+
+def _producer() -> Any:
+    """A long-lived producer per thread.
+
+    Without it every dispatch from a worker thread set up a new broker connection and
+    channel (and redis-py resolves its own version from package metadata per connection),
+    which cost more than the whole rest of a handoff.
+    """
+    from fairqueue.celery import app
+
+    producer = getattr(_producers, "producer", None)
+    if producer is None:
+        producer = app.amqp.Producer(app.connection_for_write(), auto_declare=False)
+        _producers.producer = producer
+    return producer
+
+
 def _send(engine_id: str, queue: str) -> None:
     from fairqueue.celery import app
 
     job_id, gen = _split_engine_id(engine_id)
-    app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue)
+    try:
+        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, producer=_producer())
+    except Exception:
+        # A broken cached connection: drop it and publish once more on a fresh one.
+        _producers.producer = None
+        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, producer=_producer())
 
 
 def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> None:
     """Dispatch jobs the engine just handed slots to; re-deliver jobs whose lease ran out."""
     woken = list(woken)
     if woken:
-        ids = [_split_engine_id(w.job_id)[0] for w in woken]
-        Job.objects.filter(id__in=ids, status=JobStatus.PARKED).update(
-            status=JobStatus.QUEUED, admitted_at=timezone.now()
-        )
+        # Publish first: the slot is already theirs, and every millisecond here is a worker
+        # slot held but idle. The claim accepts `parked` as well, so the order is safe.
+        now = timezone.now()
         for w in woken:
             _send(w.job_id, w.data)
+        ids = [_split_engine_id(w.job_id)[0] for w in woken]
+        Job.objects.filter(id__in=ids, status=JobStatus.PARKED).update(status=JobStatus.QUEUED, admitted_at=now)
     reclaimed = list(reclaimed)
     if reclaimed:
         jobs_redeliver([r.job_id for r in reclaimed])
@@ -473,8 +561,8 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
         stats.count(f"finished:{fields['status']}")
-    live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     job_release(tag=tag, engine_id=job.engine_id)
+    live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     return outcome
 
 
@@ -550,7 +638,9 @@ def limits_refresh() -> int:
         for tp in policy.tenants.values():
             if tp.shard == shard_name:
                 limits[tenant_key(tp.slug)] = tenant_limit_for(policy, tp, live.live_signals(tenant_slug=tp.slug)).limit
-        result = engine().set_limits(tag=shard_tag(shard_name), limits=limits)
+        # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
+        # bring the limits, and waking waiters there could pass jobs the engine forgot.
+        result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)
         if result:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
