@@ -150,6 +150,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
     for t in tenants:
         pipe.hmget(live.rate_key(t.slug), fields)
         pipe.get(live.mean_key(t.slug))
+    pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
     if with_history:
         for (shard, cls), oldest in cell_ages.items():
             key = history_key(shard, cls)
@@ -172,6 +173,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         ring, mean = next(results), next(results)
         rate = live.rate_from_ring([int(c or 0) for c in ring], window_seconds=policy.pool.rate_window_seconds)
         signals[t.slug] = (rate, float(mean) if mean else None)
+    shares = {slug: int(v) for slug, v in (next(results) or {}).items()}
     histories: dict[tuple[str, str], list[float]] = {}
     if with_history:
         for cell in cell_ages:
@@ -198,7 +200,13 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         breakdown = tenant_limit_for(
             policy,
             t,
-            LiveSignals(rate_per_min=rate, mean_seconds=mean, pool_slots=slots, in_flight=in_flight),
+            LiveSignals(
+                rate_per_min=rate,
+                mean_seconds=mean,
+                pool_slots=slots,
+                in_flight=in_flight,
+                idle_share=shares.get(t.slug, 0),
+            ),
         )
         parked_by_class = tenant_parked.get(t.slug, {})
         tenant_rows.append(
