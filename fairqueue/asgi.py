@@ -7,6 +7,16 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fairqueue.settings")
 django_asgi_app = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+
+if settings.DEMO_MODE:
+    # The demo runs daphne alone, so the admin's CSS and JS are served from the apps'
+    # static folders here. Production serves /static/ from `collectstatic` output instead
+    # (a reverse proxy or a CDN).
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
+
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402

@@ -53,6 +53,7 @@ def stack_env(*, redis_url: str, db_path: Path, database_url: str | None = None,
             "REDIS_URL": redis_url,
             "DATABASE_URL": database_url or f"sqlite:///{db_path}",
             "FAIRQUEUE_DEMO": "1",
+            "DEBUG": "0",  # measure production-like: no SQL debug logging (the demo's .env sets DEBUG=1)
             "DJANGO_SETTINGS_MODULE": "fairqueue.settings",
             "LOG_LEVEL": "WARNING",
             "FAIRQUEUE_LOG_LEVEL": "WARNING",
