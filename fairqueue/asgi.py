@@ -13,7 +13,7 @@ if settings.DEMO_MODE:
     # The demo runs daphne alone, so the admin's CSS and JS are served from the apps'
     # static folders here. Production serves /static/ from `collectstatic` output instead
     # (a reverse proxy or a CDN).
-    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 
     django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
