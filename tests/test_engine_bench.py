@@ -50,7 +50,7 @@ class EngineBenchSmokeTest(RedisTestCase):
             self.assertGreater(data[key], 0, key)
         self.assertTrue(data["scaling"])
         for row in data["scaling"]:
-            self.assertEqual(set(row), {"keys", "waiters", "admit_server_us"})
+            self.assertEqual(set(row), {"keys", "waiters", "admit_server_us", "ratio_to_trivial"})
         self.assertEqual(self.redis.dbsize(), 0)  # flushed afterwards
 
     def test_refuses_a_non_empty_database(self) -> None:
