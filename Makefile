@@ -32,8 +32,10 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The engine is held to mypy --strict; the Django side is checked with django-stubs.
 typecheck: venv
 	$(VENV)/bin/mypy fairqueue/engine
+	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard
 
 test: venv redis lint typecheck
 	$(PY) manage.py test --noinput $(TESTS)

@@ -71,7 +71,7 @@ class SubTenantInlineFormSet(BaseInlineFormSet):
     def _check_duplicate_ids(self) -> None:
         seen: dict[str, int] = {}
         for index, form in enumerate(self.forms):
-            if not hasattr(form, "cleaned_data") or not form.cleaned_data or self._should_delete_form(form):
+            if not hasattr(form, "cleaned_data") or not form.cleaned_data or form.cleaned_data.get("DELETE"):
                 continue
             external_id = form.cleaned_data.get("external_id")
             if not external_id:

@@ -6,6 +6,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from django.db import transaction
@@ -86,15 +87,20 @@ def _pool_mapping(pool: PoolSettings) -> dict[str, str]:
 # --- Pipeline writers (queued inside MULTI) -----------------------------------------------
 
 
+def _fields(values: dict[str, str]) -> dict[Any, Any]:
+    """redis-py types `mapping` with an invariant key type; our fields are plain strings."""
+    return dict(values)
+
+
 def _put_tenant(pipe: Pipeline, tenant: Tenant, version: int) -> None:
     key = keys.tenant_key(tenant.slug)
     pipe.delete(key)  # drop fields a previous layout may have left behind
-    pipe.hset(key, mapping={**tenant_policy_mapping(tenant=tenant), "version": str(version)})
+    pipe.hset(key, mapping=_fields({**tenant_policy_mapping(tenant=tenant), "version": str(version)}))
     sub_key = keys.subtenants_key(tenant.slug)
     pipe.delete(sub_key)
     subs = subtenant_policy_mapping(tenant=tenant)
     if subs:
-        pipe.hset(sub_key, mapping=subs)
+        pipe.hset(sub_key, mapping=_fields(subs))
     pipe.sadd(keys.TENANTS_INDEX, tenant.slug)
 
 
@@ -104,18 +110,18 @@ def _drop_tenant(pipe: Pipeline, slug: str) -> None:
 
 
 def _put_shard(pipe: Pipeline, shard: Shard, version: int) -> None:
-    pipe.hset(keys.shard_key(shard.name), mapping={**_shard_mapping(shard), "version": str(version)})
+    pipe.hset(keys.shard_key(shard.name), mapping=_fields({**_shard_mapping(shard), "version": str(version)}))
     pipe.sadd(keys.SHARDS_INDEX, shard.name)
 
 
 def _put_class(pipe: Pipeline, latency_class: LatencyClass, version: int) -> None:
     mapping = {**_class_mapping(latency_class), "version": str(version)}
-    pipe.hset(keys.class_key(latency_class.name), mapping=mapping)
+    pipe.hset(keys.class_key(latency_class.name), mapping=_fields(mapping))
     pipe.sadd(keys.CLASSES_INDEX, latency_class.name)
 
 
 def _put_pool(pipe: Pipeline, pool: PoolSettings, version: int) -> None:
-    pipe.hset(keys.POOL_KEY, mapping={**_pool_mapping(pool), "version": str(version)})
+    pipe.hset(keys.POOL_KEY, mapping=_fields({**_pool_mapping(pool), "version": str(version)}))
 
 
 def _versioned_write(

@@ -681,7 +681,7 @@ def _fifo_records(rec: _Recorder) -> list[dict[str, Any]]:
     from fairqueue.bench.tasks import RUNS_KEY
     from fairqueue.jobs.runtime import redis_client
 
-    runs = redis_client().hgetall(RUNS_KEY)
+    runs: dict[str, str] = redis_client().hgetall(RUNS_KEY)  # type: ignore[assignment]  # decoded client
     out = []
     for job_id, (tenant, submitted, seconds) in rec.fifo_submitted.items():
         started, finished, _worker = runs[job_id].split(",", 2)

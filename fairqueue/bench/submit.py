@@ -112,7 +112,7 @@ def child_main(jobs: int, batch: int, out_path: str) -> None:
         tenants[path] = tenant
     policy_sync_all()
     connections.close_all()  # daphne gets the SQLite file to itself while HTTP runs
-    body = {"task": "demo.sleep", "args": {"seconds": 0.01}}
+    body: dict[str, Any] = {"task": "demo.sleep", "args": {"seconds": 0.01}}
     results: dict[str, dict[str, float]] = {}
     with stack.WebServer(env=_env(), log_dir=stack.BENCH_DIR / "logs" / "submit") as web:
         session = requests.Session()

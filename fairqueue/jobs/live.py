@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fairqueue.jobs.admission import LiveSignals
 from fairqueue.jobs.runtime import engine, redis_client
@@ -235,7 +236,7 @@ def idle_shares_publish(shares: dict[str, int]) -> None:
     pipe = redis_client().pipeline(transaction=True)
     pipe.delete(SHARES_KEY)
     if shares:
-        pipe.hset(SHARES_KEY, mapping=shares)
+        pipe.hset(SHARES_KEY, mapping=dict[Any, Any](shares))
         pipe.expire(SHARES_KEY, SHARES_TTL_SECONDS)
     pipe.execute()
     with _lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from fairqueue.jobs.runtime import redis_client
 
@@ -21,7 +21,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 
 
 _lock = threading.Lock()
 _pending: Counter[str] = Counter()
-_pending_float: Counter[str] = Counter()
+_pending_float: defaultdict[str, float] = defaultdict(float)
 _last_flush = time.monotonic()
 
 
@@ -68,9 +68,10 @@ def flush() -> None:
     except Exception:
         with _lock:  # keep them for the next flush rather than lose them
             _pending.update(counts)
-            _pending_float.update(floats)
+            for name, value in floats.items():
+                _pending_float[name] += value
 
 
 def stats_read() -> dict[str, float]:
     """The fleet-wide counters and histogram cells (one HGETALL)."""
-    return {k: float(v) for k, v in redis_client().hgetall(STATS_KEY).items()}
+    return {str(k): float(v) for k, v in redis_client().hgetall(STATS_KEY).items()}
