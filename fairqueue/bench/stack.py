@@ -68,15 +68,7 @@ def fresh_database(db_path: Path, env: dict[str, str]) -> None:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     for suffix in ("", "-wal", "-shm", "-journal"):
         Path(f"{db_path}{suffix}").unlink(missing_ok=True)
-    done = subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        raise StackError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
+    migrate(env)
 
 
 def fresh_postgres(server_url: str, name: str) -> str:
@@ -92,6 +84,7 @@ def fresh_postgres(server_url: str, name: str) -> str:
 
 
 def migrate(env: dict[str, str]) -> None:
+    """Run `manage.py migrate` against the database named in `env`."""
     done = subprocess.run(
         [sys.executable, "manage.py", "migrate", "--noinput", "-v", "0"],
         cwd=ROOT,
