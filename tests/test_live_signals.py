@@ -54,3 +54,18 @@ class RateRingTests(RedisTestCase):
         live.record_finish(tenant_slug="m", seconds=1000.0, batch=True)  # batch work is ignored
         _, mean_after = live.tenant_signals_read(tenant_slug="m")
         self.assertEqual(mean, mean_after)
+
+    def test_a_finish_travels_with_the_next_signal_read_not_on_its_own(self) -> None:
+        live.record_finish(tenant_slug="d", seconds=4.0, batch=False)  # first: nothing to ride on, written
+        self.assertEqual(float(self.redis.get(live.mean_key("d"))), 4.0)
+        live.record_finish(tenant_slug="d", seconds=9.0, batch=False)  # queued, no round trip of its own
+        self.assertEqual(float(self.redis.get(live.mean_key("d"))), 4.0)
+        _, mean = live.tenant_signals_read(tenant_slug="d")
+        self.assertAlmostEqual(mean, 4.0 + live.MEAN_ALPHA * 5.0, places=5)
+
+    def test_the_mean_survives_redis_forgetting_its_scripts(self) -> None:
+        live.record_finish(tenant_slug="s", seconds=2.0, batch=False)
+        self.redis.script_flush()  # what a Redis restart does to loaded scripts
+        live.record_finish(tenant_slug="s", seconds=12.0, batch=False)
+        _, mean = live.tenant_signals_read(tenant_slug="s")
+        self.assertAlmostEqual(mean, 2.0 + live.MEAN_ALPHA * 10.0, places=5)

@@ -13,12 +13,15 @@ jobs in a single burst: the floor is earned by behaviour, not by spikes.
 
 from __future__ import annotations
 
+import hashlib
 import statistics
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import redis
 
 from fairqueue.jobs.admission import LiveSignals
 from fairqueue.jobs.runtime import engine, redis_client
@@ -28,16 +31,33 @@ FLEET_TTL_SECONDS = 1.0
 RING_BUCKETS = 10
 MEAN_ALPHA = 0.2
 MEAN_TTL_SECONDS = 24 * 3600
+MEAN_FLUSH_SECONDS = 2 * SIGNAL_TTL_SECONDS
 
 _MEAN_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "update_mean.lua").read_text()
-_mean_script = None
+_MEAN_SHA = hashlib.sha1(_MEAN_SOURCE.encode()).hexdigest()
 
 
-def _update_mean(key: str, seconds: float) -> None:
-    global _mean_script
-    if _mean_script is None:
-        _mean_script = redis_client().register_script(_MEAN_SOURCE)
-    _mean_script(keys=[key], args=[f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS])
+def _queue_means(pipe: Any, durations: list[tuple[str, float]]) -> None:
+    """Queue the EWMA updates on a pipeline (EVALSHA: no per-call script existence check)."""
+    for slug, seconds in durations:
+        pipe.evalsha(_MEAN_SHA, 1, mean_key(slug), f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS)
+
+
+def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], bool]:
+    """Run a pipeline that starts with queued mean updates; if Redis lost the script
+    (a restart), load it and redo just those updates. Returns the other results and
+    whether the updates were redone (reads in the pipeline then predate them)."""
+    results: list[Any] = pipe.execute(raise_on_error=False)
+    redone = any(isinstance(r, redis.exceptions.NoScriptError) for r in results[: len(durations)])
+    if redone:
+        redis_client().script_load(_MEAN_SOURCE)
+        retry = redis_client().pipeline(transaction=False)
+        _queue_means(retry, durations)
+        retry.execute()
+    for r in results[len(durations) :]:
+        if isinstance(r, Exception):
+            raise r
+    return results[len(durations) :], redone
 
 
 SHARES_KEY = "fq:limits:idle_share"  # HASH slug -> bonus; expires if no worker ticks
@@ -70,6 +90,8 @@ class _TenantCache:
     pending: int = 0
     flushed_at: float = 0.0
     idle_share: int = 0
+    durations: list[float] = field(default_factory=list)  # finished jobs not yet folded in
+    means_flushed_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +173,9 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
     with _lock:
         entry = _tenants.setdefault(tenant_slug, _TenantCache())
         pending, entry.pending = entry.pending, 0
+        durations = [(tenant_slug, d) for d in entry.durations]
+        entry.durations = []
+        entry.means_flushed_at = time.monotonic()
     window = _window()
     now = time.time() if now is None else now
     size = _bucket_seconds(window)
@@ -158,13 +183,17 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
     # Complete intervals only: the current one would read low for most of its life.
     fields = [str(current - i) for i in range(1, RING_BUCKETS + 1)]
     pipe = redis_client().pipeline(transaction=False)
+    _queue_means(pipe, durations)  # finished jobs ride along: no round trip of their own
     if pending:
         pipe.hincrby(rate_key(tenant_slug), str(current), pending)
         pipe.expire(rate_key(tenant_slug), window * 2 + 60)
     pipe.hmget(rate_key(tenant_slug), fields)
     pipe.get(mean_key(tenant_slug))
     pipe.hget(SHARES_KEY, tenant_slug)
-    *_, ring, mean, share = pipe.execute()
+    results, redone = _execute(pipe, durations)
+    *_, ring, mean, share = results
+    if redone:
+        mean = redis_client().get(mean_key(tenant_slug))
     with _lock:
         entry.idle_share = int(share or 0)
     counts = [int(c or 0) for c in ring]
@@ -172,10 +201,26 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
 
 
 def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
-    """Fold a finished job's duration into the tenant's exponentially weighted mean."""
+    """Fold a finished job's duration into the tenant's exponentially weighted mean.
+
+    Not a round trip per job: durations are queued and travel with the tenant's next
+    signal read (the worker tick reads every tenant about once a second); a process that
+    reads nothing flushes them itself after MEAN_FLUSH_SECONDS.
+    """
     if batch:
         return  # batch work says nothing about the tenant's interactive load
-    _update_mean(mean_key(tenant_slug), seconds)
+    with _lock:
+        entry = _tenants.setdefault(tenant_slug, _TenantCache())
+        entry.durations.append(seconds)
+        due = time.monotonic() - entry.means_flushed_at >= MEAN_FLUSH_SECONDS
+        if due:
+            durations = [(tenant_slug, d) for d in entry.durations]
+            entry.durations = []
+            entry.means_flushed_at = time.monotonic()
+    if due:
+        pipe = redis_client().pipeline(transaction=False)
+        _queue_means(pipe, durations)
+        _execute(pipe, durations)
 
 
 def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
