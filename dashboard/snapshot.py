@@ -145,7 +145,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
     for shard in shards:
         names = [SHARD_KEY, BATCH_KEY] + [tenant_key(t.slug) for t in tenants if t.shard == shard]
         count_names[shard] = names
-        pipe.hmget(key_name(prefix, shard_tag(shard), "counts"), names)
+        pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
     fields = _ring_fields(now, policy.pool.rate_window_seconds)
     for t in tenants:
         pipe.hmget(live.rate_key(t.slug), fields)

@@ -448,10 +448,10 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
     return {"duplicated": duplicated, "missing": missing}
 
 
-def _holders(client: redis.Redis, counts_key: str) -> int:
-    """Holders across all keys of a tag: the `counts` fields that are key names (limits are
-    `\0key` fields, the arrival counter and ready marker `\1…` fields)."""
-    return sum(int(v) for k, v in client.hgetall(counts_key).items() if k[:1] not in ("\0", "\1"))
+def _holders(client: redis.Redis, state_key: str) -> int:
+    """Holders across all keys of a tag: the `state` fields that are key names (limits are
+    `\0key` fields, meta fields `\1…`, job specs `\2job`)."""
+    return sum(int(v) for k, v in client.hgetall(state_key).items() if k[:1] not in ("\0", "\1", "\2"))
 
 
 def engine_leftovers(redis_url: str) -> dict[str, Any]:
@@ -459,21 +459,23 @@ def engine_leftovers(redis_url: str) -> dict[str, Any]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     eng = Engine(client, prefix=ENGINE_PREFIX)
     out: dict[str, Any] = {}
-    # Every tag that has any engine key: a tag whose jobs hash is empty may still hold counts
-    # or waiters (a corrupt state), so look at the counts hashes too.
+    # Every tag that has any engine key: a tag without job specs may still hold counts or
+    # waiters (a corrupt state), so look at every kind of key.
     tags = set()
-    for name in ("jobs", "counts", "waits"):
+    for name in ("state", "waits", "leases"):
         for key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:{name}", count=1000):
             tags.add(key[len(ENGINE_PREFIX) + 2 : -len(f"}}:{name}")])
     for tag in sorted(tags):
         base = f"{ENGINE_PREFIX}:{{{tag}}}"
+        fields = [str(f) for f in client.hkeys(f"{base}:state")]  # decode_responses: already str
+        job_ids = sorted(f[1:] for f in fields if f.startswith("\2"))
         out[tag] = {
-            "job_specs": client.hlen(f"{base}:jobs"),
-            "holds": _holders(client, f"{base}:counts"),
+            "job_specs": len(job_ids),
+            "holds": _holders(client, f"{base}:state"),
             "waiters": client.zcard(f"{base}:waits"),
             "leases": client.zcard(f"{base}:leases"),
             "problems": eng.check_invariants(tag=tag),
-            "job_ids": sorted(client.hkeys(f"{base}:jobs"))[:20],
+            "job_ids": job_ids[:20],
         }
     return out
 

@@ -1,45 +1,78 @@
--- _lib.lua: helpers shared by every engine script. The loader (fairqueue/engine/scripts.py)
--- prepends this file to each script before registering it, so the grant/handoff logic
--- exists exactly once.
+-- _lib.lua: helpers shared by every engine operation.
 --
--- KEYS (identical for every script, all under one `{tag}` hash slot, see keys.py):
---   1 jobs   HASH job_id -> spec (layout below)
---   2 counts HASH  key -> holders (field deleted at 0) | "\0"..key -> last limit passed
---                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
---   3 waits  ZSET key\0<255-p:2 hex><seq:16 hex>\0job (score 0)
---   4 leases ZSET job -> lease expiry (ms, Redis TIME); exactly the fully admitted jobs
--- Key names contain neither \0 nor \1, so the field kinds of `counts` never collide, and
--- one HMGET reads a job's counts and limits together.
+-- The engine is one Redis Functions library (FUNCTION LOAD, called with FCALL): the loader
+-- (fairqueue/engine/scripts.py) puts this file first and wraps each lua/<op>.lua in a
+-- registered function. Helpers are therefore compiled and created once per library load,
+-- not on every call as with EVAL, where this prologue alone cost about as much as two
+-- Redis commands. Redis 7.0 exposes no globals (string, redis.call, ...) while a library
+-- loads, so they are bound on the first call (bind).
+--
+-- KEYS (identical for every operation, all under one `{tag}` hash slot, see keys.py):
+--   1 state  HASH  key -> holders (field deleted at 0) | "\0"..key -> last limit passed
+--                  | "\2"..job -> spec (layout below) | "\1seq" -> arrival counter
+--                  | "\1ready" -> 1 once init_tag ran | "\1due" -> lower bound of every
+--                  lease expiry in `leases` (absent when there are none)
+--   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0)
+--   3 leases ZSET  job -> lease expiry (ms, Redis TIME); exactly the fully admitted jobs
+-- Key names contain none of \0 \1 \2 and job ids no \0, so the field kinds of `state` never
+-- collide and one HMGET reads a job's spec, its keys' counts and limits and the meta fields.
 -- Spec: one string with a fixed-width header, so a state change rewrites the header and
--- reuses the rest verbatim (cjson encode/decode cost more than the rest of an admit):
+-- reuses the rest verbatim, and the hot paths read single bytes instead of decoding
+-- (cjson encode/decode cost more than the rest of an admit):
 --   [1] n = index of the key the job is parked on, as a byte (#keys+1 when written by
---   admit)   [2-3] 255-priority, 2 hex   [4-19] wait seq, 16 hex
---   [20..] lease ms .. "\0" .. key1 .. "\0" .. key2 ... .. "\1" .. data (keys sorted)
--- A job is admitted iff it is in `leases` (then it holds all its keys and n is stale: a
--- handoff that completes a job does not rewrite its spec); otherwise it is parked on
--- key n, holds keys 1..n-1 and has its wait entry. Holders of a key are not indexed
+--   admit)   [2] number of keys, as a byte   [3-4] 255-priority, 2 hex   [5-20] wait seq,
+--   16 hex   [21..] tail = lease ms .. "\0" .. key1 .. "\0" .. key2 ... .. "\1" .. data
+--   (keys sorted)
+-- A job is admitted iff it is in `leases` (then it holds all its keys and its spec's header
+-- is stale: a handoff that completes a job does not rewrite the spec); otherwise it is
+-- parked on key n, holds keys 1..n-1 and has its wait entry. The wait entry carries the
+-- spec, so a handoff reads nothing but the queue head. Holders of a key are not indexed
 -- (inspect scans the jobs: O(state), dashboards/tests only).
--- Invariant kept by every script: if a key has waiters then count >= limit, so a
+-- Invariant kept by every operation: if a key has waiters then count >= limit, so a
 -- newcomer only checks count < limit and cannot barge.
-local K_JOBS, K_COUNTS, K_WAITS, K_LEASES = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local call = redis.call
-local fmt, sub, find, byte, char = string.format, string.sub, string.find, string.byte, string.char
+local K_STATE, K_WAITS, K_LEASES
+local call, fmt, sub, find, byte, char, floor, unpack_
+local IP = {} -- IP["7"] = hex of 255-7: the priority part of a wait entry, by ARGV string
 local NOSEQ = '0000000000000000'
-local READY, SEQ = '\1ready', '\1seq'
+local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
 
--- Redis server time in milliseconds: the single clock of the engine.
-local function now_ms()
-  local t = call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Per-call state, set by clock() (Redis runs one function at a time).
+local now -- Redis server time, ms: the single clock of the engine
+local due -- the stored "\1due" (number) or nil when no lease exists
+local touched -- a grant wrote counts of keys other than the one being handed on
+-- Woken and reclaimed job_id, data pairs of the current call. Reused (emptied by clock())
+-- rather than allocated per call: every table a call creates is measurable garbage.
+local W, R = {}, {}
+
+-- First thing every operation does: take the tag's KEYS and, once, bind the globals.
+local function bind(keys)
+  K_STATE, K_WAITS, K_LEASES = keys[1], keys[2], keys[3]
+  if call then return end
+  call, fmt, sub, find, byte, char = redis.call, string.format, string.sub, string.find, string.byte, string.char
+  floor, unpack_ = math.floor, unpack
+  for p = 0, 255 do IP[tostring(p)] = fmt('%02x', 255 - p) end
 end
 
+local function clock()
+  local t = call('TIME')
+  now = t[1] * 1000 + floor(t[2] / 1000)
+  touched = false
+  for i = #W, 1, -1 do W[i] = nil end
+  for i = #R, 1, -1 do R[i] = nil end
+end
+
+-- A spec string from its parts.
+local function spec_raw(n, nk, ip, q, tail)
+  return char(n, nk) .. ip .. q .. tail
+end
+
+-- Every field of a spec (cold paths and multi-key grants; the hot paths read only the
+-- bytes they need, see release_job and handoff).
 local function parse(raw)
-  local tail = sub(raw, 20)
-  local z = find(tail, '\1', 1, true)
-  local ks = sub(tail, 1, z - 1)
-  local pos = find(ks, '\0', 1, true)
-  local ls = tonumber(sub(ks, 1, pos - 1))
-  local k = {}
+  local z = find(raw, '\0', 21, true)
+  local y = find(raw, '\1', z, true)
+  local ks = sub(raw, z + 1, y - 1)
+  local k, pos = {}, 0
   while true do
     local nxt = find(ks, '\0', pos + 1, true)
     if not nxt then
@@ -49,47 +82,87 @@ local function parse(raw)
     k[#k + 1] = sub(ks, pos + 1, nxt - 1)
     pos = nxt
   end
-  return { n = byte(raw, 1), ip = sub(raw, 2, 3), q = sub(raw, 4, 19), tail = tail, k = k, ls = ls, d = sub(tail, z + 1) }
+  return {
+    n = byte(raw, 1), nk = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = sub(raw, 21),
+    k = k, ls = tonumber(sub(raw, 21, z - 1)), d = sub(raw, y + 1), raw = raw,
+  }
+end
+
+-- The names of a spec's keys as stored (one string, \0-separated): compared with a
+-- release's hint without splitting anything.
+local function keys_string(raw)
+  local z = find(raw, '\0', 21, true)
+  return sub(raw, z + 1, find(raw, '\1', z, true) - 1)
 end
 
 local function prio(spec)
   return 255 - tonumber(spec.ip, 16)
 end
 
-local function wait_member(key, spec, job)
-  return key .. '\0' .. spec.ip .. spec.q .. '\0' .. job
+-- The wait entry of a job parked on `key` with spec string `raw`: ordered by key, then
+-- priority, then arrival (header bytes 3..20); the rest makes the entry self-contained.
+local function wait_member(key, raw, job)
+  return key .. '\0' .. sub(raw, 3, 20) .. '\0' .. job .. '\0' .. raw
 end
 
 -- 1-based place of a parked job in its key's queue: O(log n).
-local function position(key, spec, job)
-  return call('ZLEXCOUNT', K_WAITS, '[' .. key .. '\0', '[' .. wait_member(key, spec, job))
+local function position(key, raw, job)
+  return call('ZLEXCOUNT', K_WAITS, '[' .. key .. '\0', '[' .. wait_member(key, raw, job))
 end
 
--- Park the job on keys[n] (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten.
+-- Lease a job that now holds every key; keeps "\1due" a lower bound of all expiries.
+local function lease(job, ls)
+  local e = now + ls
+  call('ZADD', K_LEASES, e, job)
+  if not due or e < due then
+    due = e
+    call('HSET', K_STATE, DUE, e)
+  end
+end
+
+-- Park the job on its n-th key (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten.
 local function park(job, spec, n)
-  spec.n = n
-  spec.q = fmt('%016x', call('HINCRBY', K_COUNTS, SEQ, 1))
-  call('ZADD', K_WAITS, 0, wait_member(spec.k[n], spec, job))
-  call('HSET', K_JOBS, job, char(n) .. spec.ip .. spec.q .. spec.tail)
+  local raw = spec_raw(n, spec.nk, spec.ip, fmt('%016x', call('HINCRBY', K_STATE, SEQ, 1)), spec.tail)
+  call('ZADD', K_WAITS, 0, wait_member(spec.k[n], raw, job))
+  call('HSET', K_STATE, '\2' .. job, raw)
 end
 
--- A job that holds keys 1..spec.n-1 goes on to take the rest while they have room,
--- parking on the first full one. Returns true when it holds every key (it then has a
--- lease; its spec is not rewritten), false when parked.
-local function grant_rest(job, spec, now)
+-- A job that holds keys 1..n-1 goes on to take the rest while they have room, parking on
+-- the first full one. Returns true when it holds every key (it then has a lease; its spec
+-- is not rewritten), false when parked.
+local function grant_rest(job, spec, n)
   local k = spec.k
-  for n = spec.n, #k do
-    local key = k[n]
-    local r = call('HMGET', K_COUNTS, key, '\0' .. key)
+  for i = n, #k do
+    local key = k[i]
+    local r = call('HMGET', K_STATE, key, '\0' .. key)
     local c = tonumber(r[1]) or 0
     if c >= (tonumber(r[2]) or 0) then
-      park(job, spec, n)
+      park(job, spec, i)
       return false
     end
-    call('HSET', K_COUNTS, key, c + 1)
+    call('HSET', K_STATE, key, c + 1)
+    touched = true
   end
-  call('ZADD', K_LEASES, now + spec.ls, job)
+  lease(job, spec.ls)
   return true
+end
+
+-- The head waiter `m` of a key of `klen` bytes got its slot: let it take its later keys
+-- (or, on its last key, just lease it, reading only the bytes needed). Returns the job
+-- and its data when it now holds every key, nil when it parked on a later key.
+local function wake(m, klen)
+  local j = klen + 21
+  local z = find(m, '\0', j, true)
+  local job, raw = sub(m, j, z - 1), sub(m, z + 1)
+  local n = byte(raw, 1) + 1
+  if n > byte(raw, 2) then
+    local e = find(raw, '\0', 21, true)
+    lease(job, tonumber(sub(raw, 21, e - 1)))
+    return job, sub(raw, find(raw, '\1', e, true) + 1)
+  end
+  local spec = parse(raw)
+  if grant_rest(job, spec, n) then return job, spec.d end
+  return nil
 end
 
 -- `key` now has `c` holders (Redis holds `stored`) and limit `l`: while it has room and
@@ -99,107 +172,153 @@ end
 -- was full (count >= limit) can, so a release on a key that had room skips the lookup.
 -- The count is written back once at the end (safe: a woken job only goes on to later
 -- keys, never this one), so a release that hands its slot on writes no count at all.
-local function handoff(key, c, l, stored, now, woken, full)
+local function handoff(key, c, l, stored, woken, full)
   if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
-    local skip = #key + 21
+    local klen = #key
     while c < l do
       local head = call('ZRANGEBYLEX', K_WAITS, lo, hi, 'LIMIT', 0, 1)[1]
       if not head then break end
       call('ZREM', K_WAITS, head)
-      local job = sub(head, skip)
-      local spec = parse(call('HGET', K_JOBS, job))
       c = c + 1
-      spec.n = spec.n + 1
-      if grant_rest(job, spec, now) then
+      local job, data = wake(head, klen)
+      if job then
         woken[#woken + 1] = job
-        woken[#woken + 1] = spec.d
+        woken[#woken + 1] = data
       end
     end
   end
   if c ~= stored then
-    if c > 0 then call('HSET', K_COUNTS, key, c) else call('HDEL', K_COUNTS, key) end
+    if c > 0 then call('HSET', K_STATE, key, c) else call('HDEL', K_STATE, key) end
   end
   return c ~= stored
 end
 
 -- Hand on `key` after its limit rose from `was` to `l`, reading its count. True if a
 -- waiter got a slot (counts moved).
-local function handoff_key(key, l, was, now, woken)
-  local c = tonumber(call('HGET', K_COUNTS, key)) or 0
-  return handoff(key, c, l, c, now, woken, c >= was)
+local function handoff_key(key, l, was, woken)
+  local c = tonumber(call('HGET', K_STATE, key)) or 0
+  return handoff(key, c, l, c, woken, c >= was)
 end
 
 -- Remove a job entirely: its spec, lease or wait entry (a waiter leaving never frees
 -- room), then each held key in canonical order, handing each on as it frees (so a job
--- woken on an earlier key never barges past a later key's waiters). `admitted` is
--- looked up (the lease removed) when nil.
-local function drop(job, spec, now, woken, admitted)
-  call('HDEL', K_JOBS, job)
+-- woken on an earlier key never barges past a later key's waiters). `raw` is its spec
+-- string, its keys are k[ko+1] .. k[ko+n] (a slice, so a caller's ARGV serves without a
+-- copy). `admitted` is looked up (the lease removed) when nil. `cl`, when given, holds the
+-- counts and limits of the keys read beforehand (cl[co+2i-1], cl[co+2i] for key i); they
+-- are trusted only until a woken job writes counts of other keys.
+local function drop(job, raw, k, ko, woken, admitted, cl, co)
+  call('HDEL', K_STATE, '\2' .. job)
   local removed = call('ZREM', K_LEASES, job)
   if admitted == nil then admitted = removed == 1 end
-  local k = spec.k
-  local held = #k
+  local held = byte(raw, 2)
   if not admitted then
-    held = spec.n - 1
-    call('ZREM', K_WAITS, wait_member(k[spec.n], spec, job))
+    held = byte(raw, 1) - 1
+    call('ZREM', K_WAITS, wait_member(k[ko + held + 1], raw, job))
   end
   for i = 1, held do
-    local key = k[i]
-    local r = call('HMGET', K_COUNTS, key, '\0' .. key)
-    local c, l = tonumber(r[1]) or 0, tonumber(r[2]) or 0
-    handoff(key, c - 1, l, c, now, woken, c >= l)
+    local key = k[ko + i]
+    local c, l
+    if cl and not touched then
+      c, l = tonumber(cl[co + 2 * i - 1]) or 0, tonumber(cl[co + 2 * i]) or 0
+    else
+      local r = call('HMGET', K_STATE, key, '\0' .. key)
+      c, l = tonumber(r[1]) or 0, tonumber(r[2]) or 0
+    end
+    handoff(key, c - 1, l, c, woken, c >= l)
   end
 end
 
 -- Release up to `max` jobs whose lease ran out (earliest expiry first), appending them to
--- `reclaimed` as job_id, data pairs. One cheap ZCOUNT when nothing is due.
-local function reclaim(now, max, woken, reclaimed)
-  if call('ZCOUNT', K_LEASES, '-inf', now) == 0 then return end
-  local due = call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, max)
-  for i = 1, #due do
-    local job = due[i]
-    local raw = call('HGET', K_JOBS, job)
+-- `reclaimed` as job_id, data pairs, then store the new earliest expiry in "\1due". The
+-- common path is free: callers only come here when now >= due.
+local function reclaim(max, woken, reclaimed)
+  local expired = call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, max)
+  for i = 1, #expired do
+    local job = expired[i]
+    local raw = call('HGET', K_STATE, '\2' .. job)
     if raw then
       local spec = parse(raw)
       reclaimed[#reclaimed + 1] = job
       reclaimed[#reclaimed + 1] = spec.d
-      drop(job, spec, now, woken, true)
+      drop(job, raw, spec.k, 0, woken, true, nil, 0)
     else
       call('ZREM', K_LEASES, job)
     end
   end
+  local first = call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+  if first[2] then
+    due = tonumber(first[2])
+    call('HSET', K_STATE, DUE, first[2])
+  else
+    due = nil
+    call('HDEL', K_STATE, DUE)
+  end
 end
 
--- Compare the limits passed as ARGV[first], ARGV[first+1], ... pairs (keys sorted) with
+-- Reclaim when some lease may have run out (`due` has been read by the caller).
+local function reclaim_due(max, woken, reclaimed)
+  if due and due <= now then
+    reclaim(max, woken, reclaimed)
+    return true
+  end
+  return false
+end
+
+-- Compare the limits passed as argv[first], argv[first+1], ... pairs (keys sorted) with
 -- `old` (old[i] = stored limit of the i-th key, string or false), store the changed ones
--- with one HSET, then hand on every key whose limit
--- rose, in REVERSE canonical order: a job woken on a key only goes on to later keys,
--- whose queues are then already served, so it can never barge past their waiters. A key
--- with no stored limit has no waiters (every admit stores its keys' limits first).
--- Returns true when a waiter got a slot (counts read before are stale).
-local function store_limits(first, old, now, woken)
+-- with one HSET, then hand on every key whose limit rose, in REVERSE canonical order: a job
+-- woken on a key only goes on to later keys, whose queues are then already served, so it
+-- can never barge past their waiters. A key with no stored limit has no waiters (every
+-- admit stores its keys' limits first). Returns true when a waiter got a slot.
+local function store_limits(argv, first, old, woken)
   local set, raised = {}, {}
   local i = 0
-  for a = first, #ARGV, 2 do
+  for a = first, #argv, 2 do
     i = i + 1
-    local lim, was = tonumber(ARGV[a + 1]), tonumber(old[i])
+    local lim, was = tonumber(argv[a + 1]), tonumber(old[i])
     if was ~= lim then
-      set[#set + 1] = '\0' .. ARGV[a]
-      set[#set + 1] = lim
+      set[#set + 1] = '\0' .. argv[a]
+      set[#set + 1] = argv[a + 1]
       if was and lim > was then
         raised[#raised + 1] = a
         raised[#raised + 1] = was
       end
     end
   end
-  if #set > 0 then call('HSET', K_COUNTS, unpack(set)) end
+  if #set > 0 then call('HSET', K_STATE, unpack_(set)) end
   local moved = false
   for j = #raised - 1, 1, -2 do
     local a = raised[j]
-    if handoff_key(ARGV[a], tonumber(ARGV[a + 1]), raised[j + 1], now, woken) then moved = true end
+    if handoff_key(argv[a], tonumber(argv[a + 1]), raised[j + 1], woken) then moved = true end
   end
   return moved
+end
+
+-- admit_job's one read: counts and limits of its nk keys (ARGV[6], ARGV[8], ...), then its
+-- spec, "\1due", "\1seq" and "\1ready". The one-key shape builds no argument table.
+local function admit_read(argv, nk, jf)
+  if nk == 1 then
+    local key = argv[6]
+    return call('HMGET', K_STATE, key, '\0' .. key, jf, DUE, SEQ, READY)
+  end
+  local fields = {}
+  for i = 1, nk do
+    local key = argv[4 + 2 * i]
+    fields[2 * i - 1] = key
+    fields[2 * i] = '\0' .. key
+  end
+  fields[2 * nk + 1], fields[2 * nk + 2], fields[2 * nk + 3], fields[2 * nk + 4] = jf, DUE, SEQ, READY
+  return call('HMGET', K_STATE, unpack_(fields))
+end
+
+-- A flat reply: head values, then #woken, then woken and reclaimed pairs.
+local function reply(head, woken, reclaimed)
+  head[#head + 1] = #woken
+  for i = 1, #woken do head[#head + 1] = woken[i] end
+  for i = 1, #reclaimed do head[#head + 1] = reclaimed[i] end
+  return head
 end
 
 -- (end of _lib.lua)

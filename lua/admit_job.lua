@@ -1,72 +1,94 @@
 -- admit_job.lua: admit a job on its keys, or park it on the first full one.
--- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id, priority (int 0..250, higher first), lease (ms, > 0), data (opaque string),
 --       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
 --       limits ints >= 0.
 -- Does, atomically: reclaim up to 8 expired leases; if job_id is known, nothing more
--- (idempotent re-delivery: its current state is returned); else store each limit and hand
--- on where a raised limit made room (before the newcomer competes: no barging); then take
--- the keys in order, parking on the first full one.
--- Returns: {admitted 1|0, parked key or "", position (1-based, 0 if admitted),
---           woken {job_id, data, ...}, reclaimed {job_id, data, ...}, duplicate 1|0,
---           not_ready 1|0}
+-- (idempotent re-delivery: its current state is returned); else store each changed limit
+-- and hand on where a raised limit made room (before the newcomer competes: no barging);
+-- then take the keys in order, parking on the first full one.
+-- Returns: 1 when admitted with nothing else to report; otherwise
+--          {admitted 1|0, parked key or "", position (1-based, 0 if admitted), duplicate 1|0,
+--           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- With require_ready=1 on a tag that init_tag has not marked ready (its state was lost and
--- is not rebuilt yet), nothing is stored: {0, '', 0, woken, reclaimed, 0, 1}.
--- Common path (all keys free, limits unchanged): TIME, ZCOUNT, HSETNX, HMGET, HSET, ZADD.
+-- is not rebuilt yet), nothing is stored: {0, '', 0, 0, 1, ...}.
+-- Common path (all keys free, limits unchanged, no lease due): TIME, HMGET, HSET, ZADD.
 local job = ARGV[1]
-local now = now_ms()
-local woken, reclaimed = {}, {}
-reclaim(now, 8, woken, reclaimed)
+clock()
 local nk = (#ARGV - 5) / 2
-local keys, fields = {}, {}
+local jf = '\2' .. job
+local f_job = 2 * nk + 1
+local r = admit_read(ARGV, nk, jf)
+due = tonumber(r[f_job + 1])
+if reclaim_due(8, W, R) then r = admit_read(ARGV, nk, jf) end
+if ARGV[5] == '1' and not r[f_job + 3] then return reply({0, '', 0, 0, 1}, W, R) end
+local known = r[f_job]
+if known then -- idempotent re-delivery: report where the job is
+  if call('ZSCORE', K_LEASES, job) then return reply({1, '', 0, 1, 0}, W, R) end
+  local spec = parse(known)
+  local key = spec.k[spec.n]
+  return reply({0, key, position(key, known, job), 1, 0}, W, R)
+end
+-- Limits: the common case is "unchanged" (string compare, nothing written).
+local changed = false
 for i = 1, nk do
-  local key = ARGV[4 + 2 * i]
-  keys[i] = key
-  fields[2 * i - 1] = key
-  fields[2 * i] = '\0' .. key
+  if r[2 * i] ~= ARGV[5 + 2 * i] then changed = true end
 end
-local ls, data = ARGV[3], ARGV[4]
-local spec = {
-  n = nk + 1, ip = fmt('%02x', 255 - tonumber(ARGV[2])), q = NOSEQ, k = keys, ls = tonumber(ls), d = data,
-  tail = ls .. '\0' .. table.concat(keys, '\0') .. '\1' .. data,
-}
--- The duplicate check and the spec write in one command (the spec is rewritten if it parks).
-if call('HSETNX', K_JOBS, job, char(nk + 1) .. spec.ip .. NOSEQ .. spec.tail) == 0 then
-  local known = parse(call('HGET', K_JOBS, job))
-  if call('ZSCORE', K_LEASES, job) then return {1, '', 0, woken, reclaimed, 1, 0} end
-  local key = known.k[known.n]
-  return {0, key, position(key, known, job), woken, reclaimed, 1, 0}
+if changed then
+  local old = {}
+  for i = 1, nk do old[i] = r[2 * i] end
+  if store_limits(ARGV, 6, old, W) then r = admit_read(ARGV, nk, jf) end
 end
-local guarded = ARGV[5] == '1'
-if guarded then fields[#fields + 1] = READY end
-local r = call('HMGET', K_COUNTS, unpack(fields))
-if guarded and not r[#r] then
-  call('HDEL', K_JOBS, job)
-  return {0, '', 0, woken, reclaimed, 0, 1}
-end
-local old, cnt = {}, {}
-for i = 1, nk do
-  old[i] = r[2 * i]
-  cnt[i] = r[2 * i - 1]
-end
-if store_limits(6, old, now, woken) then
-  cnt = call('HMGET', K_COUNTS, unpack(keys)) -- a raise handed slots on: counts moved
-end
--- Take the keys in order while they have room (count < limit), one HSET for all counts.
-local set = {}
+-- Count the keys that have room (count < limit), in order.
 local n = 1
 while n <= nk do
-  local c = tonumber(cnt[n]) or 0
-  if c >= tonumber(ARGV[5 + 2 * n]) then break end
-  set[#set + 1] = keys[n]
-  set[#set + 1] = c + 1
+  if (tonumber(r[2 * n - 1]) or 0) >= tonumber(ARGV[5 + 2 * n]) then break end
   n = n + 1
 end
-if #set > 0 then call('HSET', K_COUNTS, unpack(set)) end
-if n > nk then
-  call('ZADD', K_LEASES, now + spec.ls, job)
-  return {1, '', 0, woken, reclaimed, 0, 0}
+local ls = ARGV[3]
+local tail
+if nk == 1 then
+  tail = ls .. '\0' .. ARGV[6] .. '\1' .. ARGV[4]
+else
+  local names = {}
+  for i = 1, nk do names[i] = ARGV[4 + 2 * i] end
+  tail = ls .. '\0' .. table.concat(names, '\0') .. '\1' .. ARGV[4]
 end
-park(job, spec, n)
-local key = keys[n]
-return {0, key, position(key, spec, job), woken, reclaimed, 0, 0}
+if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
+  local e = now + tonumber(ls)
+  local raw = spec_raw(nk + 1, nk, IP[ARGV[2]], NOSEQ, tail)
+  local lower = not due or e < due
+  if nk == 1 then
+    if lower then
+      call('HSET', K_STATE, ARGV[6], (tonumber(r[1]) or 0) + 1, jf, raw, DUE, e)
+    else
+      call('HSET', K_STATE, ARGV[6], (tonumber(r[1]) or 0) + 1, jf, raw)
+    end
+  else
+    local set = {}
+    for i = 1, nk do
+      set[2 * i - 1] = ARGV[4 + 2 * i]
+      set[2 * i] = (tonumber(r[2 * i - 1]) or 0) + 1
+    end
+    set[2 * nk + 1], set[2 * nk + 2] = jf, raw
+    if lower then set[2 * nk + 3], set[2 * nk + 4] = DUE, e end
+    call('HSET', K_STATE, unpack_(set))
+  end
+  call('ZADD', K_LEASES, e, job)
+  if #W == 0 and #R == 0 then return 1 end
+  return reply({1, '', 0, 0, 0}, W, R)
+end
+-- Parked on key n: counts of keys 1..n-1, the spec and the arrival counter in one HSET.
+local seq = (tonumber(r[f_job + 2]) or 0) + 1
+local raw = spec_raw(n, nk, IP[ARGV[2]], fmt('%016x', seq), tail)
+local set = {}
+for i = 1, n - 1 do
+  set[2 * i - 1] = ARGV[4 + 2 * i]
+  set[2 * i] = (tonumber(r[2 * i - 1]) or 0) + 1
+end
+set[#set + 1], set[#set + 2] = jf, raw
+set[#set + 1], set[#set + 2] = SEQ, seq
+call('HSET', K_STATE, unpack_(set))
+local key = ARGV[4 + 2 * n]
+call('ZADD', K_WAITS, 0, wait_member(key, raw, job))
+return reply({0, key, position(key, raw, job), 0, 0}, W, R)

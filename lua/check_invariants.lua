@@ -1,50 +1,62 @@
 -- check_invariants.lua: consistency audit for tests and operators. O(state): never on a
 -- hot path.
--- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: none
 -- Checks: each key's count equals the holders its jobs' specs imply (an admitted job,
 -- i.e. one with a lease, holds all its keys; a parked one keys 1..n-1 and has its wait
--- entry); every wait entry belongs to a parked job; no key with waiters has room
--- (count < limit); every lease belongs to a job.
+-- entry, which carries its current spec); every wait entry belongs to a parked job; no
+-- key with waiters has room (count < limit); every lease belongs to a job; "\1due" is at
+-- most the earliest lease expiry (and present whenever a lease is).
 -- Returns: {problem description, ...} (empty when consistent)
 local problems = {}
 local function bad(msg) problems[#problems + 1] = msg end
 local admitted = {}
-local leases = call('ZRANGE', K_LEASES, 0, -1)
-for _, j in ipairs(leases) do admitted[j] = true end
+local leases = call('ZRANGE', K_LEASES, 0, -1, 'WITHSCORES')
+local earliest
+for i = 1, #leases, 2 do
+  admitted[leases[i]] = true
+  local e = tonumber(leases[i + 1])
+  if not earliest or e < earliest then earliest = e end
+end
+local fields = call('HGETALL', K_STATE)
+local specs, counts, limits, meta = {}, {}, {}, {}
+for i = 1, #fields, 2 do
+  local f, v = fields[i], fields[i + 1]
+  local b = byte(f, 1)
+  if b == 0 then
+    limits[sub(f, 2)] = tonumber(v)
+  elseif b == 1 then
+    meta[f] = v
+  elseif b == 2 then
+    specs[sub(f, 2)] = v
+  else
+    counts[f] = tonumber(v)
+    if tonumber(v) <= 0 then bad('non-positive count on ' .. f) end
+  end
+end
 local holders, members = {}, {}
-local jobs = call('HGETALL', K_JOBS)
-local njobs = 0
-for i = 1, #jobs, 2 do
-  njobs = njobs + 1
-  local job, spec = jobs[i], parse(jobs[i + 1])
+for job, raw in pairs(specs) do
+  local spec = parse(raw)
   local held = #spec.k
+  if spec.nk ~= #spec.k then bad('key count byte mismatch ' .. job) end
   if not admitted[job] then
     held = spec.n - 1
     if spec.n > #spec.k then
       bad('parked job past its last key ' .. job)
     else
-      local m = wait_member(spec.k[spec.n], spec, job)
+      local m = wait_member(spec.k[spec.n], raw, job)
       members[m] = true
       if not call('ZSCORE', K_WAITS, m) then bad('missing wait ' .. job) end
     end
   end
   for j = 1, held do holders[spec.k[j]] = (holders[spec.k[j]] or 0) + 1 end
 end
-for _, j in ipairs(leases) do
-  if not call('HEXISTS', K_JOBS, j) then bad('lease without job ' .. j) end
+for job, _ in pairs(admitted) do
+  if not specs[job] then bad('lease without job ' .. job) end
 end
-local fields = call('HGETALL', K_COUNTS)
-local counts, limits = {}, {}
-for i = 1, #fields, 2 do
-  local f, v = fields[i], fields[i + 1]
-  local b = byte(f, 1)
-  if b == 0 then
-    limits[sub(f, 2)] = tonumber(v)
-  elseif b ~= 1 then
-    counts[f] = tonumber(v)
-    if tonumber(v) <= 0 then bad('non-positive count on ' .. f) end
-  end
+if earliest then
+  local d = tonumber(meta[DUE])
+  if not d then bad('leases without due') elseif d > earliest then bad('due after the earliest lease') end
 end
 for key, c in pairs(counts) do
   if (holders[key] or 0) ~= c then bad('count mismatch on ' .. key) end

@@ -1,27 +1,29 @@
 -- inspect_key.lua: one key's state for dashboards and tests (read only).
--- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: key, list holders (1|0)
 -- Holders are not indexed (that would cost every admit a write): they are found by
 -- scanning the tag's jobs, O(jobs of the tag). Waiters per priority cost O(log n) per
 -- priority present (a ZLEXCOUNT per priority band of the key's queue).
--- Without the holder list the call is O(log n) (the count is the `counts` field).
+-- Without the holder list the call is O(log n) (the count is a field of `state`).
 -- Returns: {limit (-1 if never set), holders {job_id, ...} (sorted; empty unless listed), waiters per priority
 --           {priority, count, ...} (highest priority first), total waiters, holder count}
 local key = ARGV[1]
-local r = call('HMGET', K_COUNTS, key, '\0' .. key)
+local r = call('HMGET', K_STATE, key, '\0' .. key)
 local count, limit = tonumber(r[1]) or 0, tonumber(r[2]) or -1
 local holders = {}
 if count > 0 and ARGV[2] == '1' then
   local admitted = {}
   for _, j in ipairs(call('ZRANGE', K_LEASES, 0, -1)) do admitted[j] = true end
-  local jobs = call('HGETALL', K_JOBS)
-  for i = 1, #jobs, 2 do
-    local job, spec = jobs[i], parse(jobs[i + 1])
-    local held = admitted[job] and #spec.k or spec.n - 1
-    for j = 1, held do
-      if spec.k[j] == key then
-        holders[#holders + 1] = job
-        break
+  local fields = call('HGETALL', K_STATE)
+  for i = 1, #fields, 2 do
+    if byte(fields[i], 1) == 2 then
+      local job, spec = sub(fields[i], 2), parse(fields[i + 1])
+      local held = admitted[job] and #spec.k or spec.n - 1
+      for j = 1, held do
+        if spec.k[j] == key then
+          holders[#holders + 1] = job
+          break
+        end
       end
     end
   end

@@ -12,6 +12,7 @@ from django.conf import settings
 
 from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
 from fairqueue.engine.keys import tag_keys
+from fairqueue.engine.scripts import library
 from tests.base import RedisTestCase
 
 T = "s:api"
@@ -27,7 +28,7 @@ class EngineBehaviour(RedisTestCase):
 
     def test_key_layout_shares_one_hash_tag(self) -> None:
         keys = tag_keys("fq", "s:shard1")
-        self.assertEqual(keys[0], "fq:{s:shard1}:jobs")
+        self.assertEqual(keys, ("fq:{s:shard1}:state", "fq:{s:shard1}:waits", "fq:{s:shard1}:leases"))
         self.assertTrue(all("{s:shard1}" in k for k in keys))
 
     def test_handoff_goes_to_head_waiter_in_the_same_call(self) -> None:
@@ -191,20 +192,24 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual([r.position for r in res], [None, None, 1, 2])
         self.assertEqual(self.e.admit_many([]), [])
 
-    def test_scripts_reload_after_script_flush(self) -> None:
+    def test_library_reloads_after_function_flush(self) -> None:
+        # What a fresh server (or FUNCTION FLUSH) looks like: the first call loads the library.
         self.admit("a", {"k": 1})
-        self.e.client.script_flush()
+        self.e.client.function_flush()
         self.assertTrue(self.admit("b", {"k": 2}).admitted)
-        self.e.client.script_flush()
+        self.e.client.function_flush()
         self.assertEqual(len(self.e.admit_many([AdmitRequest(T, "c", {"k": 3}, 60)])), 1)
+        names = [dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"] for lib in self.e.client.function_list()]
+        self.assertEqual(names.count(library().name.encode()), 1)
 
     def test_counts_and_clean_state_after_release(self) -> None:
         self.admit("a", {"x": 2, "y": 2})
         self.assertEqual(self.e.counts(tag=T, keys=["x", "y", "z"]), {"x": 1, "y": 1, "z": 0})
         self.e.release(tag=T, job_id="a")
         names = {k.decode().rsplit(":", 1)[1] for k in self.e.client.keys("*")}
-        self.assertEqual(names, {"counts"})  # no holders, waiters, specs or leases left
-        self.assertEqual(set(self.e.client.hkeys(tag_keys("fq", T)[1])), {b"\0x", b"\0y"})  # only the limits
+        self.assertEqual(names, {"state"})  # no waiters or leases left
+        fields = set(self.e.client.hkeys(tag_keys("fq", T)[0]))
+        self.assertEqual({f for f in fields if f[:1] != b"\1"}, {b"\0x", b"\0y"})  # only the limits (and meta)
 
     def test_require_ready_admits_nothing_until_the_tag_is_initialised(self) -> None:
         # A fresh (or flushed) tag is not ready: a guarded admit stores nothing at all.

@@ -188,7 +188,7 @@ def engine_waiting_order(engine: Engine, tag: str, key: str) -> list[str]:
     raw = engine.client.zrangebylex(
         f"{engine.prefix}:{{{tag}}}:waits", b"[" + key.encode() + b"\0", b"(" + key.encode() + b"\1"
     )
-    return [m.split(b"\0", 2)[2].decode() for m in raw]
+    return [m.split(b"\0", 3)[2].decode() for m in raw]  # key, rank, job, rest of the spec
 
 
 def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, keys: list[str]) -> None:
@@ -203,7 +203,8 @@ def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, ke
             case.assertGreaterEqual(state.held, state.limit or 0, f"room with waiters on {key}")
     case.assertEqual(engine.check_invariants(tag=tag), [])
     case.assertEqual(
-        sorted(j.decode() for j in engine.client.hkeys(f"{engine.prefix}:{{{tag}}}:jobs")), sorted(model.jobs)
+        sorted(f[1:].decode() for f in engine.client.hkeys(f"{engine.prefix}:{{{tag}}}:state") if f[:1] == b"\2"),
+        sorted(model.jobs),
     )
 
 

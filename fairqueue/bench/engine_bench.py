@@ -1,9 +1,12 @@
 """``python manage.py bench engine``: what one engine decision costs, against real Redis.
 
-Server-side cost comes from ``INFO commandstats`` (``cmdstat_evalsha usec_per_call``,
-after ``CONFIG RESETSTAT``) with calls sent in pipelined batches, so the server runs the
-scripts back to back and the figure is the script's own cost; the trivial one-line
-script is measured the same way in the same run, and the targets are ratios to it.
+Server-side cost comes from ``INFO commandstats`` (``usec_per_call`` of ``cmdstat_fcall``
+for the engine's functions, ``cmdstat_evalsha`` for the trivial script, after ``CONFIG
+RESETSTAT``) with calls sent in pipelined batches, so the server runs them back to back
+and the figure is the call's own cost; the trivial one-line script
+(``return redis.call('incr', KEYS[1])``, sent by EVALSHA) is measured the same way in the
+same run, and the targets are ratios to it. The same one-liner registered as a function
+is measured too, so the reader can see the baseline does not flatter FCALL.
 Throughput is measured with plain sequential round trips from one client and from
 several processes. Uses its own Redis database (default db 12): refuses a non-empty one
 and flushes it afterwards.
@@ -22,9 +25,13 @@ import redis
 
 from fairqueue.engine import ops
 from fairqueue.engine.engine import Engine
-from fairqueue.engine.scripts import evalsha_args
+from fairqueue.engine.scripts import function_name, library
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
+TRIVIAL_LIBRARY = (
+    "#!lua name=fairqueue_bench_trivial\n"
+    "redis.register_function('fq_bench_trivial', function(KEYS, ARGV) return redis.call('incr', KEYS[1]) end)"
+)
 TAG = "bench"
 BIG = 1_000_000_000  # a limit nobody reaches
 TARGETS = {"admit_ratio": 8.0, "release_ratio": 8.0, "admit3_ratio": 20.0, "scaling_spread": 1.5, "pairs_ratio": 0.4}
@@ -62,6 +69,7 @@ class Bench:
         self.sizes = sizes
         self.log = log
         self.trivial_sha = self.client.script_load(TRIVIAL)
+        self.client.function_load(TRIVIAL_LIBRARY, replace=True)
         self.serial = 0
         self.warnings: list[str] = []
 
@@ -74,7 +82,7 @@ class Bench:
         pipe = self.client.pipeline(transaction=False)
         pending = 0
         for args in commands:
-            pipe.evalsha(*args)
+            pipe.execute_command(*args)
             pending += 1
             if pending == batch:
                 pipe.execute()
@@ -83,7 +91,10 @@ class Bench:
             pipe.execute()
 
     def call_args(self, call: ops.Call[Any]) -> tuple[Any, ...]:
-        return evalsha_args(call.script, call.keys, call.args)
+        return ("FCALL", function_name(call.script), len(call.keys), *call.keys, *call.args)
+
+    def trivial_args(self) -> tuple[Any, ...]:
+        return ("EVALSHA", self.trivial_sha, 1, "bench:trivial")
 
     def admit_args(self, keys: dict[str, int], priority: int = 0) -> tuple[Any, ...]:
         return self.call_args(
@@ -91,24 +102,22 @@ class Bench:
         )
 
     def server_us(self, name: str, commands: list[tuple[Any, ...]], quiet: bool = False) -> float:
-        """Run pre-built EVALSHA calls pipelined; return server µs per call."""
+        """Run pre-built calls (all EVALSHA or all FCALL) pipelined; return server µs per call."""
         self.pipelined(commands[:1])  # make sure the script is cached and warm
         self.client.config_resetstat()
         self.pipelined(commands[1:])
-        stats = self.client.info("commandstats").get("cmdstat_evalsha", {})
+        verb = str(commands[0][0]).lower()
+        stats = self.client.info("commandstats").get(f"cmdstat_{verb}", {})
         calls = int(stats.get("calls", 0))
         if calls != len(commands) - 1:
-            self.warnings.append(f"{name}: {calls} EVALSHA calls seen for {len(commands) - 1} sent (shared server?)")
+            self.warnings.append(f"{name}: {calls} {verb} calls seen for {len(commands) - 1} sent (shared server?)")
         us = float(stats.get("usec_per_call", 0.0))
         if not quiet:
             self.log(f"  {name:<34} {us:8.2f} µs/call server-side")
         return us
 
-    def ensure_scripts(self) -> None:
-        for name in ("admit_job", "release_job"):
-            from fairqueue.engine.scripts import script
-
-            self.client.script_load(script(name).source)
+    def ensure_library(self) -> None:
+        self.client.function_load(library().source, replace=True)
 
     # --- phases -------------------------------------------------------------------
     # This machine is shared: the cost of the same script drifts by 2x over minutes (CPU
@@ -116,7 +125,7 @@ class Bench:
     # a ratio to their mean, repeated REPEATS times; the median ratio is the figure.
     def local_ratio(self, name: str, commands: list[tuple[Any, ...]]) -> tuple[float, float, float]:
         """(µs per call, trivial µs beside it, ratio) for one batch bracketed by trivial batches."""
-        trivial = [(self.trivial_sha, 1, "bench:trivial")] * max(len(commands) // 2, 50)
+        trivial = [self.trivial_args()] * max(len(commands) // 2, 50)
         before = self.server_us("trivial script", trivial, quiet=True)
         us = self.server_us(name, commands, quiet=True)
         after = self.server_us("trivial script", trivial, quiet=True)
@@ -135,30 +144,42 @@ class Bench:
 
     def server_costs(self) -> dict[str, float]:
         n = self.sizes.server_calls
-        self.ensure_scripts()
+        self.ensure_library()
         admit = self.measured("one-key admit", self.split([self.admit_args({f"a{i % 10}": BIG}) for i in range(n)]))
         admit3 = self.measured(
             "three-key admit",
             self.split([self.admit_args({f"x{i % 10}": BIG, f"y{i % 10}": BIG, f"z{i % 10}": BIG}) for i in range(n)]),
         )
-        self.client.flushdb()
-        # One holder and n parked waiters on a limit-1 key: each release hands the slot to the next.
-        first = self.serial + 1
-        self.pipelined(self.admit_args({"h": 1}) for _ in range(n + 1))
-        release = self.measured(
-            "one-key release with handoff",
-            self.split([self.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}")) for i in range(n)]),
+        release = self.release_cost("one-key release with handoff", hint=True)
+        release_nohint = self.release_cost("  the same without the keys hint", hint=False)
+        trivial_fcall = self.measured(
+            "trivial one-liner as a function", self.split([("FCALL", "fq_bench_trivial", 1, "bench:trivial")] * n)
         )
-        self.client.flushdb()
         return {
             "trivial_server_us": statistics.median([admit["trivial_us"], admit3["trivial_us"], release["trivial_us"]]),
+            "trivial_fcall_server_us": trivial_fcall["us"],
             "admit_server_us": admit["us"],
             "admit3_server_us": admit3["us"],
             "release_server_us": release["us"],
+            "release_nohint_server_us": release_nohint["us"],
             "admit_ratio": admit["ratio"],
             "admit3_ratio": admit3["ratio"],
             "release_ratio": release["ratio"],
+            "release_nohint_ratio": release_nohint["ratio"],
         }
+
+    def release_cost(self, name: str, hint: bool) -> dict[str, float]:
+        """One holder and n parked waiters on a limit-1 key: each release hands the slot on.
+        With ``hint`` the release names the job's keys, as FairQueue's workers do."""
+        self.client.flushdb()
+        n = self.sizes.server_calls
+        first = self.serial + 1
+        self.pipelined(self.admit_args({"h": 1}) for _ in range(n + 1))
+        keys = ["h"] if hint else None
+        calls = [self.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=keys)) for i in range(n)]
+        out = self.measured(name, self.split(calls))
+        self.client.flushdb()
+        return out
 
     def throughput(self) -> dict[str, float]:
         secs, procs = self.sizes.seq_seconds, self.sizes.processes
@@ -239,11 +260,12 @@ def run_loop_timed(url: str, kind: str, seconds: float, worker: int) -> tuple[in
                 break
     else:
         keys = {f"p{worker}": BIG}
+        names = list(keys)
         while True:
             for _ in range(25):
                 job = f"p{worker}-{count}"
                 engine.admit(tag=TAG, job_id=job, keys=keys, lease_seconds=600)
-                engine.release(tag=TAG, job_id=job)
+                engine.release(tag=TAG, job_id=job, keys=names)
                 count += 1
             if time.time() >= stop:
                 break

@@ -1,8 +1,9 @@
 """Sync and asyncio front ends of the throttle engine.
 
 Both build the same ``ops.Call`` objects (validation, encoding and decoding live in
-``ops``) and differ only in how they send them: one EVALSHA per operation, one pipelined
-round trip for ``admit_many`` and ``sweep``.
+``ops``) and differ only in how they send them: one FCALL per operation, one pipelined
+round trip for ``admit_many`` and ``sweep``. A server without our Functions library gets
+it loaded on the first "function not found" and the call is retried once.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
 
 from . import ops
 from .keys import key_name, validate_prefix
@@ -27,9 +28,32 @@ from .results import (
     ReleaseResult,
     Woken,
 )
-from .scripts import evalsha_args, script
+from .scripts import function_name, is_already_loaded, is_missing_function, library
 
 T = TypeVar("T")
+
+
+def _fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
+    return (function_name(call.script), len(call.keys), *call.keys, *call.args)
+
+
+def _expire_now(pipe: Any, prefix: str, tag: str, job_id: str) -> None:
+    # The lease and the "earliest expiry" hint move together, as every script keeps them.
+    pipe.zadd(key_name(prefix, tag, "leases"), {job_id: 0}, xx=True, ch=True)
+    pipe.hset(key_name(prefix, tag, "state"), "\1due", 0)
+
+
+def _collect(pending: list[int], results: list[Any], raws: list[Any], *, last: bool) -> list[int]:
+    """Store the replies of a pipelined batch; return the indexes to retry (library missing)."""
+    missing = []
+    for i, r in zip(pending, results, strict=True):
+        if isinstance(r, ResponseError) and is_missing_function(r) and not last:
+            missing.append(i)
+        elif isinstance(r, Exception):
+            raise r
+        else:
+            raws[i] = r
+    return missing
 
 
 class _Base:
@@ -74,7 +98,7 @@ class _Base:
 
     def _counts_args(self, tag: str, keys: Sequence[str]) -> tuple[str, list[str]]:
         names = [ops._check_key_name(k) for k in keys]
-        return key_name(self.prefix, tag, "counts"), names
+        return key_name(self.prefix, tag, "state"), names
 
     @staticmethod
     def _counts_decode(names: Sequence[str], raw: Sequence[Any]) -> dict[str, int]:
@@ -88,13 +112,22 @@ class Engine(_Base):
         super().__init__(prefix)
         self.client = client
 
-    def _run(self, call: ops.Call[T]) -> T:
-        args = evalsha_args(call.script, call.keys, call.args)
+    def _load(self) -> None:
         try:
-            raw = self.client.evalsha(*args)
-        except NoScriptError:
-            self.client.script_load(script(call.script).source)
-            raw = self.client.evalsha(*args)
+            self.client.function_load(library().source)
+        except ResponseError as e:
+            if not is_already_loaded(e):
+                raise
+
+    def _run(self, call: ops.Call[T]) -> T:
+        args = _fcall_args(call)
+        try:
+            raw = self.client.fcall(*args)
+        except ResponseError as e:
+            if not is_missing_function(e):
+                raise
+            self._load()
+            raw = self.client.fcall(*args)
         return call.decode(raw)
 
     def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
@@ -102,26 +135,15 @@ class Engine(_Base):
             return []
         pending = list(range(len(calls)))
         raws: list[Any] = [None] * len(calls)
-        for _attempt in range(2):
+        for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for i in pending:
-                pipe.evalsha(*evalsha_args(calls[i].script, calls[i].keys, calls[i].args))
+                pipe.fcall(*_fcall_args(calls[i]))
             results = pipe.execute(raise_on_error=False)
-            missing = []
-            for i, r in zip(pending, results, strict=True):
-                if isinstance(r, NoScriptError):
-                    missing.append(i)
-                elif isinstance(r, Exception):
-                    raise r
-                else:
-                    raws[i] = r
-            if not missing:
+            pending = _collect(pending, results, raws, last=attempt == 1)
+            if not pending:
                 break
-            for name in {calls[i].script for i in missing}:
-                self.client.script_load(script(name).source)
-            pending = missing
-        else:
-            raise NoScriptError("scripts could not be loaded")
+            self._load()
         return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     def admit(
@@ -142,9 +164,12 @@ class Engine(_Base):
         """Bulk submit: every admit pipelined in one round trip, each still atomic."""
         return self._run_many(self._admit_calls(items, require_ready))
 
-    def release(self, *, tag: str, job_id: str) -> ReleaseResult:
-        """Free the job's keys; the woken jobs returned must be dispatched by the caller."""
-        return self._run(ops.release(self.prefix, tag=tag, job_id=job_id))
+    def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
+        """Free the job's keys; the woken jobs returned must be dispatched by the caller.
+
+        ``keys``, the names the job was admitted with, is an optional hint that saves the
+        script a read; a wrong hint is ignored, never trusted."""
+        return self._run(ops.release(self.prefix, tag=tag, job_id=job_id, keys=keys))
 
     def renew(self, *, tag: str, job_id: str, lease_seconds: float) -> bool:
         """Heartbeat. False means the hold is gone (reclaimed, expired or never admitted)."""
@@ -197,7 +222,9 @@ class Engine(_Base):
 
     def expire_now(self, *, tag: str, job_id: str) -> bool:
         """Testing aid: make an admitted job's lease run out now (no sleeping)."""
-        return bool(self.client.zadd(key_name(self.prefix, tag, "leases"), {job_id: 0}, xx=True, ch=True))
+        pipe = self.client.pipeline(transaction=True)
+        _expire_now(pipe, self.prefix, tag, job_id)
+        return bool(pipe.execute()[0])
 
 
 class AsyncEngine(_Base):
@@ -207,13 +234,22 @@ class AsyncEngine(_Base):
         super().__init__(prefix)
         self.client = client
 
-    async def _run(self, call: ops.Call[T]) -> T:
-        args = evalsha_args(call.script, call.keys, call.args)
+    async def _load(self) -> None:
         try:
-            raw = await self.client.evalsha(*args)
-        except NoScriptError:
-            await self.client.script_load(script(call.script).source)
-            raw = await self.client.evalsha(*args)
+            await self.client.function_load(library().source)
+        except ResponseError as e:
+            if not is_already_loaded(e):
+                raise
+
+    async def _run(self, call: ops.Call[T]) -> T:
+        args = _fcall_args(call)
+        try:
+            raw = await self.client.fcall(*args)
+        except ResponseError as e:
+            if not is_missing_function(e):
+                raise
+            await self._load()
+            raw = await self.client.fcall(*args)
         return call.decode(raw)
 
     async def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
@@ -221,26 +257,15 @@ class AsyncEngine(_Base):
             return []
         pending = list(range(len(calls)))
         raws: list[Any] = [None] * len(calls)
-        for _attempt in range(2):
+        for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for i in pending:
-                pipe.evalsha(*evalsha_args(calls[i].script, calls[i].keys, calls[i].args))
+                pipe.fcall(*_fcall_args(calls[i]))
             results = await pipe.execute(raise_on_error=False)
-            missing = []
-            for i, r in zip(pending, results, strict=True):
-                if isinstance(r, NoScriptError):
-                    missing.append(i)
-                elif isinstance(r, Exception):
-                    raise r
-                else:
-                    raws[i] = r
-            if not missing:
+            pending = _collect(pending, results, raws, last=attempt == 1)
+            if not pending:
                 break
-            for name in {calls[i].script for i in missing}:
-                await self.client.script_load(script(name).source)
-            pending = missing
-        else:
-            raise NoScriptError("scripts could not be loaded")
+            await self._load()
         return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     async def admit(
@@ -261,9 +286,9 @@ class AsyncEngine(_Base):
         """See ``Engine.admit_many``."""
         return await self._run_many(self._admit_calls(items, require_ready))
 
-    async def release(self, *, tag: str, job_id: str) -> ReleaseResult:
+    async def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
         """See ``Engine.release``."""
-        return await self._run(ops.release(self.prefix, tag=tag, job_id=job_id))
+        return await self._run(ops.release(self.prefix, tag=tag, job_id=job_id, keys=keys))
 
     async def renew(self, *, tag: str, job_id: str, lease_seconds: float) -> bool:
         """See ``Engine.renew``."""
@@ -311,4 +336,6 @@ class AsyncEngine(_Base):
 
     async def expire_now(self, *, tag: str, job_id: str) -> bool:
         """See ``Engine.expire_now``."""
-        return bool(await self.client.zadd(key_name(self.prefix, tag, "leases"), {job_id: 0}, xx=True, ch=True))
+        pipe = self.client.pipeline(transaction=True)
+        _expire_now(pipe, self.prefix, tag, job_id)
+        return bool((await pipe.execute())[0])

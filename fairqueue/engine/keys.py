@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-#: Order matters: the Lua scripts read KEYS[1..4] by position (see lua/_lib.lua).
-#: ``counts`` also holds the limits (field ``"\0" + key``), the arrival counter and the
-#: ready marker; a key's holder count is its plain field, so one HMGET reads counts.
-KEY_NAMES: tuple[str, ...] = ("jobs", "counts", "waits", "leases")
+#: Order matters: the Lua functions read KEYS[1..3] by position (see lua/_lib.lua).
+#: ``state`` holds each key's holder count (the plain field), its limit (``"\0" + key``),
+#: each job's spec (``"\2" + job``) and the meta fields (``"\1..."``), so one HMGET
+#: reads everything an admit decides on.
+KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases")
 
 
 def validate_tag(tag: str) -> None:

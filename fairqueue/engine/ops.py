@@ -1,7 +1,9 @@
 """Argument validation/encoding and result decoding shared by Engine and AsyncEngine.
 
-Each builder returns a ``Call``: which script, with which KEYS and ARGV, and how to turn
-the raw reply into a result. The sync and async engines only differ in how they send it.
+Each builder returns a ``Call``: which operation, with which KEYS and ARGV, and how to
+turn the raw reply into a result. The sync and async engines only differ in how they send
+it. Replies are flat (nested Lua tables cost the server measurably per call) and the
+common outcomes are a bare integer.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from .results import (
 T = TypeVar("T")
 
 MAX_PRIORITY = 250
+#: A spec stores a job's key count and position as single bytes; 16 is far more than any
+#: real job needs (FairQueue uses three).
+MAX_KEYS_PER_JOB = 16
 #: Expired leases reclaimed inline by admit/release/cancel (the sweep does the rest).
 INLINE_RECLAIM = 8
 
 
 @dataclass(frozen=True)
 class Call(Generic[T]):
-    """One script invocation and the decoder of its reply."""
+    """One operation (a function of the engine's library) and the decoder of its reply."""
 
     script: str
     keys: tuple[str, ...]
@@ -61,14 +66,16 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
 def _check_job_id(job_id: str) -> str:
     if not isinstance(job_id, str) or not job_id:
         raise ValueError("job_id must be a non-empty string")
+    if "\0" in job_id:
+        raise ValueError(f"job_id must not contain \\0: {job_id!r}")
     return job_id
 
 
 def _check_key_name(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"key names must be non-empty strings, got {name!r}")
-    if "\0" in name or "\1" in name:
-        raise ValueError(f"key names must not contain \\0 or \\1: {name!r}")
+    if "\0" in name or "\1" in name or "\2" in name:
+        raise ValueError(f"key names must not contain \\0, \\1 or \\2: {name!r}")
     return name
 
 
@@ -122,45 +129,54 @@ def admit(
     if not isinstance(data, str):
         raise ValueError("data must be a string")
     flag = 1 if require_ready else 0
-    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, flag, *_flatten(key_limits(keys)))
+    pairs = key_limits(keys)
+    if len(pairs) > MAX_KEYS_PER_JOB:
+        raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(pairs)}")
+    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, flag, *_flatten(pairs))
 
-    def decode(r: list[Any]) -> Admission:
-        admitted = bool(r[0])
-        not_ready = len(r) > 6 and bool(r[6])
+    def decode(r: Any) -> Admission:
+        if isinstance(r, int):  # admitted, nothing else to report
+            return Admission(job_id, True, None, None, [], [], False, False)
+        admitted, not_ready = bool(r[0]), bool(r[4])
+        woken, reclaimed = _split(r, 5)
         return Admission(
             job_id=job_id,
             admitted=admitted,
             parked_on=None if admitted or not_ready else text(r[1]),
             position=None if admitted or not_ready else int(r[2]),
-            woken=_woken(r[3]),
-            reclaimed=_woken(r[4]),
-            duplicate=bool(r[5]),
+            woken=woken,
+            reclaimed=reclaimed,
+            duplicate=bool(r[3]),
             not_ready=not_ready,
         )
 
     return Call("admit_job", tag_keys(prefix, tag), args, decode)
 
 
-def release(prefix: str, *, tag: str, job_id: str) -> Call[ReleaseResult]:
-    """Encode a release (see lua/release_job.lua)."""
+def _split(r: list[Any], at: int) -> tuple[list[Woken], list[Woken]]:
+    """Woken and reclaimed pairs of a flat reply whose woken count sits at index ``at``."""
+    end = at + 1 + int(r[at])
+    return _woken(r[at + 1 : end]), _woken(r[end:])
+
+
+def _done(r: Any) -> tuple[bool, list[Woken], list[Woken]]:
+    if isinstance(r, int):
+        return bool(r), [], []
+    return (bool(r[0]), *_split(r, 1))
+
+
+def release(prefix: str, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> Call[ReleaseResult]:
+    """Encode a release (see lua/release_job.lua). ``keys`` is the optional hint of the
+    job's key names; the script checks it against the job's spec."""
     _check_job_id(job_id)
-    return Call(
-        "release_job",
-        tag_keys(prefix, tag),
-        (job_id,),
-        lambda r: ReleaseResult(bool(r[0]), _woken(r[1]), _woken(r[2])),
-    )
+    hint = sorted(_check_key_name(k) for k in keys) if keys is not None else []
+    return Call("release_job", tag_keys(prefix, tag), (job_id, *hint), lambda r: ReleaseResult(*_done(r)))
 
 
 def cancel(prefix: str, *, tag: str, job_id: str) -> Call[CancelResult]:
     """Encode a cancel (see lua/cancel_job.lua)."""
     _check_job_id(job_id)
-    return Call(
-        "cancel_job",
-        tag_keys(prefix, tag),
-        (job_id,),
-        lambda r: CancelResult(bool(r[0]), _woken(r[1]), _woken(r[2])),
-    )
+    return Call("cancel_job", tag_keys(prefix, tag), (job_id,), lambda r: CancelResult(*_done(r)))
 
 
 def renew(prefix: str, *, tag: str, job_id: str, lease_seconds: float) -> Call[bool]:
@@ -176,7 +192,7 @@ def reclaim(prefix: str, *, tag: str, max_jobs: int) -> Call[ReclaimResult]:
         "reclaim_leases",
         tag_keys(prefix, tag),
         (max_jobs,),
-        lambda r: ReclaimResult(_woken(r[0]), _woken(r[1])),
+        lambda r: ReclaimResult(*_split(r, 0)),
     )
 
 

@@ -93,6 +93,15 @@ def batch_limits(
     return {shard: running + idle for shard, running in batch_by_shard.items()}
 
 
+def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool) -> list[str]:
+    """The names admission_plan gives a job's keys. A release passes them to the engine as
+    a hint that saves it a read; a stale hint (the job moved lanes) is ignored there."""
+    names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
+    if sub_tenant:
+        names.append(sub_tenant_key(tenant_slug, sub_tenant))
+    return names
+
+
 def admission_plan(
     *,
     policy: PolicySnapshot,

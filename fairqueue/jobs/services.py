@@ -31,7 +31,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, payloads, stats
-from fairqueue.jobs.admission import admission_plan
+from fairqueue.jobs.admission import admission_plan, key_names
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import JobContext, task_get
 from fairqueue.jobs.runtime import engine, queue_name
@@ -561,7 +561,8 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
         stats.count(f"finished:{fields['status']}")
-    job_release(tag=tag, engine_id=job.engine_id)
+    hint = key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+    job_release(tag=tag, engine_id=job.engine_id, keys=hint)
     live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     return outcome
 
@@ -663,8 +664,8 @@ def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
     return bool(moved)
 
 
-def job_release(*, tag: str, engine_id: str) -> None:
+def job_release(*, tag: str, engine_id: str, keys: list[str] | None = None) -> None:
     started = time.perf_counter()
-    result = engine().release(tag=tag, job_id=engine_id)
+    result = engine().release(tag=tag, job_id=engine_id, keys=keys)
     stats.observe("release", time.perf_counter() - started)
     outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
