@@ -43,6 +43,8 @@ class EngineBenchSmokeTest(RedisTestCase):
             "admit_ratio",
             "admit3_ratio",
             "release_ratio",
+            "release_nohint_ratio",
+            "trivial_fcall_server_us",
             "scaling_spread",
             "pairs_ratio_one_client",
         ]:
@@ -51,6 +53,8 @@ class EngineBenchSmokeTest(RedisTestCase):
         self.assertTrue(data["scaling"])
         for row in data["scaling"]:
             self.assertEqual(set(row), {"keys", "waiters", "admit_server_us", "ratio_to_trivial"})
+        self.assertEqual(len(data["largest_tag_rounds"]), 1)
+        self.assertGreater(data["largest_tag_rounds"][0], 0)
         self.assertEqual(self.redis.dbsize(), 0)  # flushed afterwards
 
     def test_refuses_a_non_empty_database(self) -> None:
