@@ -57,6 +57,7 @@ from fairqueue.bench.stack import (
     worker_argv,
 )
 from fairqueue.engine import Engine
+from fairqueue.engine.keys import LAYOUT
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
 CHAOS_DIR = ROOT / "var" / "chaos"
@@ -463,10 +464,11 @@ def engine_leftovers(redis_url: str) -> dict[str, Any]:
     # waiters (a corrupt state), so look at every kind of key.
     tags = set()
     for name in ("state", "waits", "leases"):
-        for key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*}}:{name}", count=1000):
-            tags.add(key[len(ENGINE_PREFIX) + 2 : -len(f"}}:{name}")])
+        suffix = f"}}:v{LAYOUT}:{name}"
+        for key in client.scan_iter(match=f"{ENGINE_PREFIX}:{{*{suffix}", count=1000):
+            tags.add(key[len(ENGINE_PREFIX) + 2 : -len(suffix)])
     for tag in sorted(tags):
-        base = f"{ENGINE_PREFIX}:{{{tag}}}"
+        base = f"{ENGINE_PREFIX}:{{{tag}}}:v{LAYOUT}"
         fields = [str(f) for f in client.hkeys(f"{base}:state")]  # decode_responses: already str
         job_ids = sorted(f[1:] for f in fields if f.startswith("\2"))
         out[tag] = {

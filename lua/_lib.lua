@@ -21,8 +21,8 @@
 -- (cjson encode/decode cost more than the rest of an admit):
 --   [1] n = index of the key the job is parked on, as a byte (#keys+1 when written by
 --   admit)   [2] number of keys, as a byte   [3-4] 255-priority, 2 hex   [5-20] wait seq,
---   16 hex   [21..] tail = lease ms .. "\0" .. key1 .. "\0" .. key2 ... .. "\1" .. data
---   (keys sorted)
+--   16 hex   [21..] tail = lease ms, 10 digits zero-padded .. key1 .. "\0" .. key2 ...
+--   .. "\1" .. data (keys sorted, starting at byte 31)
 -- A job is admitted iff it is in `leases` (then it holds all its keys and its spec's header
 -- is stale: a handoff that completes a job does not rewrite the spec); otherwise it is
 -- parked on key n, holds keys 1..n-1 and has its wait entry. The wait entry carries the
@@ -69,9 +69,8 @@ end
 -- Every field of a spec (cold paths and multi-key grants; the hot paths read only the
 -- bytes they need, see release_job and handoff).
 local function parse(raw)
-  local z = find(raw, '\0', 21, true)
-  local y = find(raw, '\1', z, true)
-  local ks = sub(raw, z + 1, y - 1)
+  local y = find(raw, '\1', 31, true)
+  local ks = sub(raw, 31, y - 1)
   local k, pos = {}, 0
   while true do
     local nxt = find(ks, '\0', pos + 1, true)
@@ -84,15 +83,15 @@ local function parse(raw)
   end
   return {
     n = byte(raw, 1), nk = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = sub(raw, 21),
-    k = k, ls = tonumber(sub(raw, 21, z - 1)), d = sub(raw, y + 1), raw = raw,
+    k = k, ls = tonumber(sub(raw, 21, 30)), d = sub(raw, y + 1), raw = raw,
   }
 end
 
--- The names of a spec's keys as stored (one string, \0-separated): compared with a
--- release's hint without splitting anything.
-local function keys_string(raw)
-  local z = find(raw, '\0', 21, true)
-  return sub(raw, z + 1, find(raw, '\1', z, true) - 1)
+-- Whether a spec's keys are exactly `names` (\0-separated, as stored): a release's hint is
+-- checked without splitting anything.
+local function has_keys(raw, names)
+  local e = 30 + #names
+  return byte(raw, e + 1) == 1 and sub(raw, 31, e) == names
 end
 
 local function prio(spec)
@@ -153,14 +152,13 @@ end
 local function wake(m, klen)
   local j = klen + 21
   local z = find(m, '\0', j, true)
-  local job, raw = sub(m, j, z - 1), sub(m, z + 1)
-  local n = byte(raw, 1) + 1
-  if n > byte(raw, 2) then
-    local e = find(raw, '\0', 21, true)
-    lease(job, tonumber(sub(raw, 21, e - 1)))
-    return job, sub(raw, find(raw, '\1', e, true) + 1)
+  local job = sub(m, j, z - 1)
+  local n = byte(m, z + 1) + 1 -- the spec starts at m[z + 1]
+  if n > byte(m, z + 2) then
+    lease(job, tonumber(sub(m, z + 21, z + 30)))
+    return job, sub(m, find(m, '\1', z + 31, true) + 1)
   end
-  local spec = parse(raw)
+  local spec = parse(sub(m, z + 1))
   if grant_rest(job, spec, n) then return job, spec.d end
   return nil
 end

@@ -1,6 +1,7 @@
 -- admit_job.lua: admit a job on its keys, or park it on the first full one.
 -- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
--- ARGV: job_id, priority (int 0..250, higher first), lease (ms, > 0), data (opaque string),
+-- ARGV: job_id, priority (int 0..250, higher first), lease (ms > 0, 10 digits zero-padded:
+--       the spec stores it at a fixed place), data (opaque string),
 --       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
 --       limits ints >= 0.
 -- Does, atomically: reclaim up to 8 expired leases; if job_id is known, nothing more
@@ -48,11 +49,11 @@ end
 local ls = ARGV[3]
 local tail
 if nk == 1 then
-  tail = ls .. '\0' .. ARGV[6] .. '\1' .. ARGV[4]
+  tail = ls .. ARGV[6] .. '\1' .. ARGV[4]
 else
   local names = {}
   for i = 1, nk do names[i] = ARGV[4 + 2 * i] end
-  tail = ls .. '\0' .. table.concat(names, '\0') .. '\1' .. ARGV[4]
+  tail = ls .. table.concat(names, '\0') .. '\1' .. ARGV[4]
 end
 if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
   local e = now + tonumber(ls)

@@ -31,7 +31,7 @@ local raw = r[1]
 if raw then
   -- With a matching hint the keys are ARGV[2..] and their counts came with the spec.
   local hint = nh == 1 and ARGV[2] or (nh > 1 and table.concat(ARGV, '\0', 2) or nil)
-  if hint and keys_string(raw) == hint then
+  if hint and has_keys(raw, hint) then
     drop(job, raw, ARGV, 1, W, nil, r, 2)
   else
     drop(job, raw, parse(raw).k, 0, W, nil, nil, 0)
@@ -39,5 +39,8 @@ if raw then
   found = 1
 end
 reclaim_due(8, W, R)
-if #W == 0 and #R == 0 then return found end
+if #R == 0 then
+  if #W == 0 then return found end
+  if #W == 2 then return {found, 2, W[1], W[2]} end
+end
 return reply({found}, W, R)

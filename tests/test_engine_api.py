@@ -11,7 +11,7 @@ import redis.asyncio
 from django.conf import settings
 
 from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
-from fairqueue.engine.keys import tag_keys
+from fairqueue.engine.keys import LAYOUT, tag_keys
 from fairqueue.engine.scripts import library
 from tests.base import RedisTestCase
 
@@ -28,7 +28,7 @@ class EngineBehaviour(RedisTestCase):
 
     def test_key_layout_shares_one_hash_tag(self) -> None:
         keys = tag_keys("fq", "s:shard1")
-        self.assertEqual(keys, ("fq:{s:shard1}:state", "fq:{s:shard1}:waits", "fq:{s:shard1}:leases"))
+        self.assertEqual(keys, tuple(f"fq:{{s:shard1}}:v{LAYOUT}:{n}" for n in ("state", "waits", "leases")))
         self.assertTrue(all("{s:shard1}" in k for k in keys))
 
     def test_handoff_goes_to_head_waiter_in_the_same_call(self) -> None:

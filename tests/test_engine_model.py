@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from fairqueue.engine import Engine
+from fairqueue.engine.keys import key_name
 from tests.base import RedisTestCase
 
 Pair = tuple[str, str]  # (job_id, data)
@@ -186,7 +187,7 @@ class Model:
 def engine_waiting_order(engine: Engine, tag: str, key: str) -> list[str]:
     """The real queue of a key, head first, straight from the waits ZSET."""
     raw = engine.client.zrangebylex(
-        f"{engine.prefix}:{{{tag}}}:waits", b"[" + key.encode() + b"\0", b"(" + key.encode() + b"\1"
+        key_name(engine.prefix, tag, "waits"), b"[" + key.encode() + b"\0", b"(" + key.encode() + b"\1"
     )
     return [m.split(b"\0", 3)[2].decode() for m in raw]  # key, rank, job, rest of the spec
 
@@ -203,7 +204,7 @@ def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, ke
             case.assertGreaterEqual(state.held, state.limit or 0, f"room with waiters on {key}")
     case.assertEqual(engine.check_invariants(tag=tag), [])
     case.assertEqual(
-        sorted(f[1:].decode() for f in engine.client.hkeys(f"{engine.prefix}:{{{tag}}}:state") if f[:1] == b"\2"),
+        sorted(f[1:].decode() for f in engine.client.hkeys(key_name(engine.prefix, tag, "state")) if f[:1] == b"\2"),
         sorted(model.jobs),
     )
 

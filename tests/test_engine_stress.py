@@ -21,6 +21,7 @@ import redis
 from django.conf import settings
 
 from fairqueue.engine import Engine
+from fairqueue.engine.keys import LAYOUT, key_name
 from tests.base import RedisTestCase
 
 T = "s:stress"
@@ -137,8 +138,8 @@ class MultiProcessStressTest(RedisTestCase):
                 peak = max(peak, level)
             self.assertLessEqual(peak, limit, f"{key} exceeded its limit (seed {seed})")
             self.assertGreaterEqual(peak, 1)
-        names = {k.decode().rsplit(":", 1)[1] for k in engine.client.keys(f"fq:{{{T}}}:*")}
+        names = {k.decode().rsplit(":", 1)[1] for k in engine.client.keys(f"fq:{{{T}}}:v{LAYOUT}:*")}
         self.assertEqual(names, {"state"}, "waiters or leases left over")
-        fields = {f[:1] for f in engine.client.hkeys(f"fq:{{{T}}}:state")}
+        fields = {f[:1] for f in engine.client.hkeys(key_name("fq", T, "state"))}
         self.assertEqual(fields - {b"\1"}, {b"\0"}, "holder counts or specs left over (only limits and meta may stay)")
         self.assertEqual(engine.check_invariants(tag=T), [])

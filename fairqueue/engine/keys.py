@@ -1,9 +1,15 @@
 """Redis key names of the engine.
 
-All state of one hash tag lives in a fixed set of keys named ``{prefix}:{tag}:<name>``
-with the tag in braces, so every key of every job under that tag hashes to one Redis
-Cluster slot and every script can receive the same small KEYS list, even when a release
-wakes jobs whose keys the caller could not know in advance.
+All state of one hash tag lives in a fixed set of keys named
+``{prefix}:{tag}:v<LAYOUT>:<name>`` with the tag in braces, so every key of every job
+under that tag hashes to one Redis Cluster slot and every function can receive the same
+small KEYS list, even when a release wakes jobs whose keys the caller could not know in
+advance.
+
+``LAYOUT`` is part of the names so that code with a different data layout never reads
+this one's state (mixing formats corrupts it: seen in a chaos run during development).
+A new layout starts from empty state, which a caller rebuilds like after a loss of Redis
+data (see ``init_tag``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from functools import lru_cache
 #: each job's spec (``"\2" + job``) and the meta fields (``"\1..."``), so one HMGET
 #: reads everything an admit decides on.
 KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases")
+
+#: Version of the data layout (field kinds, spec and wait-entry formats) in lua/_lib.lua.
+#: Bump it with any change to them.
+LAYOUT = 3
 
 
 def validate_tag(tag: str) -> None:
@@ -38,7 +48,7 @@ def tag_keys(prefix: str, tag: str) -> tuple[str, ...]:
     """The KEYS list every script of one tag receives, in KEY_NAMES order."""
     validate_prefix(prefix)
     validate_tag(tag)
-    return tuple(f"{prefix}:{{{tag}}}:{name}" for name in KEY_NAMES)
+    return tuple(f"{prefix}:{{{tag}}}:v{LAYOUT}:{name}" for name in KEY_NAMES)
 
 
 def key_name(prefix: str, tag: str, name: str) -> str:

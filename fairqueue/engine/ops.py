@@ -79,11 +79,18 @@ def _check_key_name(name: object) -> str:
     return name
 
 
+#: Longest lease: its milliseconds fill the spec's fixed 10-digit field (about 115 days).
+MAX_LEASE_MS = 9_999_999_999
+
+
 def lease_ms(lease_seconds: float) -> int:
     """Leases travel in milliseconds (Redis TIME resolution we use)."""
     if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float) or not lease_seconds > 0:
         raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
-    return max(1, round(lease_seconds * 1000))
+    ms = max(1, round(lease_seconds * 1000))
+    if ms > MAX_LEASE_MS:
+        raise ValueError(f"lease_seconds must be at most {MAX_LEASE_MS // 1000}, got {lease_seconds!r}")
+    return ms
 
 
 def key_limits(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int]]:
@@ -132,7 +139,8 @@ def admit(
     pairs = key_limits(keys)
     if len(pairs) > MAX_KEYS_PER_JOB:
         raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(pairs)}")
-    args: tuple[str | int, ...] = (job_id, priority, lease_ms(lease_seconds), data, flag, *_flatten(pairs))
+    lease = f"{lease_ms(lease_seconds):010d}"
+    args: tuple[str | int, ...] = (job_id, priority, lease, data, flag, *_flatten(pairs))
 
     def decode(r: Any) -> Admission:
         if isinstance(r, int):  # admitted, nothing else to report
