@@ -230,7 +230,7 @@ end
 
 -- Release up to `max` jobs whose lease ran out (earliest expiry first), appending them to
 -- `reclaimed` as job_id, data pairs, then store the new earliest expiry in "\1due". The
--- common path is free: callers only come here when now >= due.
+-- common path is free: operations only come here when now >= due (the sweep always does).
 local function reclaim(max, woken, reclaimed)
   local expired = call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, max)
   for i = 1, #expired do
@@ -246,12 +246,10 @@ local function reclaim(max, woken, reclaimed)
     end
   end
   local first = call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
-  if first[2] then
-    due = tonumber(first[2])
-    call('HSET', K_STATE, DUE, first[2])
-  else
-    due = nil
-    call('HDEL', K_STATE, DUE)
+  local earliest = tonumber(first[2])
+  if earliest ~= due then
+    if earliest then call('HSET', K_STATE, DUE, first[2]) else call('HDEL', K_STATE, DUE) end
+    due = earliest
   end
 end
 

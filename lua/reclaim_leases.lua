@@ -2,10 +2,11 @@
 -- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: max jobs to reclaim in this call (int >= 1)
 -- Does: release up to max jobs with lease <= now (Redis TIME, ms), earliest first,
--- handing their slots on. Reads "\1due" first, so a sweep of a tag with nothing due costs
--- one HGET.
+-- handing their slots on. Unlike the inline reclaim of the other operations it looks at
+-- the leases themselves whatever "\1due" says, and stores the true earliest expiry: the
+-- sweep is the backstop that would also repair a wrong hint.
 -- Returns: {#reclaimed, reclaimed job_id, data ..., woken job_id, data ...}
 clock()
 due = tonumber(call('HGET', K_STATE, DUE))
-reclaim_due(tonumber(ARGV[1]), W, R)
+reclaim(tonumber(ARGV[1]), W, R)
 return reply({}, R, W)

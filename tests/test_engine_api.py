@@ -202,6 +202,18 @@ class EngineBehaviour(RedisTestCase):
         names = [dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"] for lib in self.e.client.function_list()]
         self.assertEqual(names.count(library().name.encode()), 1)
 
+    def test_sweep_reclaims_whatever_the_due_hint_says_and_repairs_it(self) -> None:
+        # "\1due" lets operations skip the lease scan; the sweep must not depend on it.
+        self.admit("a", {"k": 1}, lease=60)
+        state, leases = tag_keys("fq", T)[0], tag_keys("fq", T)[2]
+        self.e.client.zadd(leases, {"a": 0}, xx=True)  # expired, behind the hint's back
+        self.e.client.hset(state, "\1due", 10**13)  # and a hint that says "nothing before 2286"
+        self.assertIn("due after the earliest lease", self.e.check_invariants(tag=T))
+        self.assertEqual(self.e.reclaim(tag=T).reclaimed, [Woken("a", "d-a")])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertTrue(self.admit("b", {"k": 1}).admitted)
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
     def test_counts_and_clean_state_after_release(self) -> None:
         self.admit("a", {"x": 2, "y": 2})
         self.assertEqual(self.e.counts(tag=T, keys=["x", "y", "z"]), {"x": 1, "y": 1, "z": 0})

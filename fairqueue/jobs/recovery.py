@@ -26,12 +26,15 @@ from datetime import timedelta
 from django.db.models import QuerySet
 from django.utils import timezone
 
+from fairqueue.engine.keys import LAYOUT
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 
 log = logging.getLogger("fairqueue.recovery")
 
-STATE_KEY = "fq:state:built"
+# Named after the engine's data layout: code with a new layout finds no marker and
+# rebuilds its (new, empty) state from the database, as after a loss of Redis data.
+STATE_KEY = f"fq:state:built:v{LAYOUT}"
 REBUILD_LOCK_KEY = "fq:state:rebuild_lock"
 REBUILD_LOCK_SECONDS = 120
 CHUNK = 500
