@@ -4,15 +4,17 @@ the real-time lease path and the asyncio API."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 
 import redis
 import redis.asyncio
 from django.conf import settings
+from django.core.management import call_command
 
 from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
 from fairqueue.engine.keys import LAYOUT, tag_keys
-from fairqueue.engine.scripts import library
+from fairqueue.engine.scripts import library, loaded_libraries
 from tests.base import RedisTestCase
 
 T = "s:api"
@@ -213,6 +215,24 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(self.e.check_invariants(tag=T), [])
         self.assertTrue(self.admit("b", {"k": 1}).admitted)
         self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_engine_libraries_lists_and_prunes_other_versions(self) -> None:
+        self.admit("a", {"k": 1})  # loads this code's library
+        old = "fairqueue_000000000000"
+        self.e.client.function_load(
+            f"#!lua name={old}\nredis.register_function('fq_000000000000_admit_job', function() return 1 end)",
+            replace=True,
+        )
+        out = io.StringIO()
+        call_command("engine_libraries", stdout=out)
+        self.assertIn(old, out.getvalue())
+        self.assertIn(f"{library().name}  (this code)", out.getvalue())
+        out = io.StringIO()
+        call_command("engine_libraries", "--prune", stdout=out)
+        self.assertIn(f"deleted {old}", out.getvalue())
+        self.assertNotIn(old, loaded_libraries(self.e.client))
+        self.assertIn(library().name, loaded_libraries(self.e.client))
+        self.assertTrue(self.admit("b", {"k": 2}).admitted)
 
     def test_counts_and_clean_state_after_release(self) -> None:
         self.admit("a", {"x": 2, "y": 2})

@@ -29,7 +29,7 @@ from fairqueue.engine.scripts import function_name, library
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
 TRIVIAL_LIBRARY = (
-    "#!lua name=fairqueue_bench_trivial\n"
+    "#!lua name=fqbench_trivial\n"
     "redis.register_function('fq_bench_trivial', function(KEYS, ARGV) return redis.call('incr', KEYS[1]) end)"
 )
 TAG = "bench"

@@ -18,6 +18,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
 
@@ -96,3 +97,31 @@ def is_missing_function(error: BaseException) -> bool:
 def is_already_loaded(error: BaseException) -> bool:
     """Another process loaded the same library version first: nothing to do."""
     return "already exists" in str(error).lower()
+
+
+def _library_names(reply: Any) -> list[str]:
+    """Library names from a FUNCTION LIST reply (RESP2: flat name/value lists, bytes or str)."""
+    names = []
+    for entry in reply:
+        fields = dict(zip(entry[::2], entry[1::2], strict=True)) if isinstance(entry, list) else entry
+        for key, value in fields.items():
+            if (key.decode() if isinstance(key, bytes) else key) == "library_name":
+                names.append(value.decode() if isinstance(value, bytes) else str(value))
+    return sorted(names)
+
+
+def loaded_libraries(client: Any) -> list[str]:
+    """Every version of the engine's library loaded on this server (ours included)."""
+    return _library_names(client.function_list(library=f"{LIBRARY_PREFIX}*"))
+
+
+def prune_libraries(client: Any) -> list[str]:
+    """Delete the engine libraries of other code versions; return their names.
+
+    Safe while old processes still run: one whose library is gone loads it again on its
+    next call. Run it after a deploy has replaced every process."""
+    current = library().name
+    stale = [name for name in loaded_libraries(client) if name != current]
+    for name in stale:
+        client.function_delete(name)
+    return stale
