@@ -449,10 +449,10 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
     return {"duplicated": duplicated, "missing": missing}
 
 
-def _holders(client: redis.Redis, state_key: str) -> int:
+def _holders(state: dict[str, str]) -> int:
     """Holders across all keys of a tag: the `state` fields that are key names (limits are
     `\0key` fields, meta fields `\1…`, job specs `\2job`)."""
-    return sum(int(v) for k, v in client.hgetall(state_key).items() if k[:1] not in ("\0", "\1", "\2"))
+    return sum(int(v) for k, v in state.items() if k[:1] not in ("\0", "\1", "\2"))
 
 
 def engine_leftovers(redis_url: str) -> dict[str, Any]:
@@ -469,11 +469,11 @@ def engine_leftovers(redis_url: str) -> dict[str, Any]:
             tags.add(key[len(ENGINE_PREFIX) + 2 : -len(suffix)])
     for tag in sorted(tags):
         base = f"{ENGINE_PREFIX}:{{{tag}}}:v{LAYOUT}"
-        fields = [str(f) for f in client.hkeys(f"{base}:state")]  # decode_responses: already str
-        job_ids = sorted(f[1:] for f in fields if f.startswith("\2"))
+        state = {str(k): str(v) for k, v in client.hgetall(f"{base}:state").items()}  # already str
+        job_ids = sorted(f[1:] for f in state if f.startswith("\2"))
         out[tag] = {
             "job_specs": len(job_ids),
-            "holds": _holders(client, f"{base}:state"),
+            "holds": _holders(state),
             "waiters": client.zcard(f"{base}:waits"),
             "leases": client.zcard(f"{base}:leases"),
             "problems": eng.check_invariants(tag=tag),

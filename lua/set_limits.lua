@@ -5,15 +5,15 @@
 -- on. A lowered limit evicts nobody: nobody new gets in until holders drop below it.
 -- With require_ready=1 on a tag not ready (see init_tag.lua) nothing is stored or woken.
 -- Returns: woken {job_id, data, ...}
-local woken = {}
+local nk = (#ARGV - 1) / 2
+if nk == 0 then return {} end
+-- The stored limits, "\1due" and "\1ready" in one read.
 local fields = {}
 for a = 2, #ARGV, 2 do fields[#fields + 1] = '\0' .. ARGV[a] end
-local guarded = ARGV[1] == '1'
-if guarded then fields[#fields + 1] = READY end
-if #fields == 0 then return woken end
+fields[nk + 1], fields[nk + 2] = DUE, READY
 local old = call('HMGET', K_STATE, unpack_(fields))
-if guarded and not old[#old] then return woken end
+if ARGV[1] == '1' and not old[nk + 2] then return {} end
 clock()
-due = tonumber(call('HGET', K_STATE, DUE))
+due = tonumber(old[nk + 1])
 store_limits(ARGV, 2, old, W)
 return W

@@ -94,8 +94,9 @@ def batch_limits(
 
 
 def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool) -> list[str]:
-    """The names admission_plan gives a job's keys. A release passes them to the engine as
-    a hint that saves it a read; a stale hint (the job moved lanes) is ignored there."""
+    """A job's key names (admission_plan pairs them with limits). A release passes them to
+    the engine as a hint that saves it a read; a stale hint (the job moved lanes) is
+    ignored there."""
     names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
     if sub_tenant:
         names.append(sub_tenant_key(tenant_slug, sub_tenant))
@@ -116,15 +117,15 @@ def admission_plan(
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit."""
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
+    limits = [batch_limit if batch else breakdown.limit, shard.capacity]
     if batch:
-        keys = [KeyLimit(BATCH_KEY, batch_limit), KeyLimit(SHARD_KEY, shard.capacity)]
         priority = BATCH_PRIORITY
-    else:
-        keys = [KeyLimit(tenant_key(tenant.slug), breakdown.limit), KeyLimit(SHARD_KEY, shard.capacity)]
     cap = None
     if sub_tenant:
         cap = sub_tenant_cap(policy, tenant, sub_tenant, breakdown.limit)
-        keys.append(KeyLimit(sub_tenant_key(tenant.slug, sub_tenant), cap))
+        limits.append(cap)
+    names = key_names(tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch)
+    keys = [KeyLimit(name, limit) for name, limit in zip(names, limits, strict=True)]
     return AdmissionPlan(
         tag=shard_tag(tenant.shard), keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap
     )
