@@ -30,9 +30,14 @@
 -- (inspect scans the jobs: O(state), dashboards/tests only).
 -- Invariant kept by every operation: if a key has waiters then count >= limit, so a
 -- newcomer only checks count < limit and cannot barge.
+--
+-- Numbers cross into Redis as strings made here (int, ms) and come back through num: a
+-- Lua number passed to redis.call is printed with "%.17g" and tonumber() parses a string
+-- twice, together about a fifth of a release before this was done (perf, Redis 7.0).
 local K_STATE, K_WAITS, K_LEASES
 local call, fmt, sub, find, byte, char, floor, unpack_
 local IP = {} -- IP["7"] = hex of 255-7: the priority part of a wait entry, by ARGV string
+local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and limits
 local NOSEQ = '0000000000000000'
 local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
 
@@ -51,6 +56,20 @@ local function bind(keys)
   call, fmt, sub, find, byte, char = redis.call, string.format, string.sub, string.find, string.byte, string.char
   floor, unpack_ = math.floor, unpack
   for p = 0, 255 do IP[tostring(p)] = fmt('%02x', 255 - p) end
+  for i = 0, 1023 do
+    INT[i] = tostring(i)
+    VAL[INT[i]] = i
+  end
+end
+
+-- An integer as the decimal string Redis stores.
+local function int(n)
+  return INT[n] or fmt('%d', n)
+end
+
+-- A stored decimal string (or false: a missing field) as a number (nil when missing).
+local function num(s)
+  if s then return VAL[s] or s + 0 end
 end
 
 local function clock()
@@ -83,7 +102,7 @@ local function parse(raw)
   end
   return {
     n = byte(raw, 1), nk = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = sub(raw, 21),
-    k = k, ls = tonumber(sub(raw, 21, 30)), d = sub(raw, y + 1), raw = raw,
+    k = k, ls = sub(raw, 21, 30) + 0, d = sub(raw, y + 1), raw = raw,
   }
 end
 
@@ -112,10 +131,11 @@ end
 -- Lease a job that now holds every key; keeps "\1due" a lower bound of all expiries.
 local function lease(job, ls)
   local e = now + ls
-  call('ZADD', K_LEASES, e, job)
+  local es = fmt('%d', e)
+  call('ZADD', K_LEASES, es, job)
   if not due or e < due then
     due = e
-    call('HSET', K_STATE, DUE, e)
+    call('HSET', K_STATE, DUE, es)
   end
 end
 
@@ -134,12 +154,12 @@ local function grant_rest(job, spec, n)
   for i = n, #k do
     local key = k[i]
     local r = call('HMGET', K_STATE, key, '\0' .. key)
-    local c = tonumber(r[1]) or 0
-    if c >= (tonumber(r[2]) or 0) then
+    local c = num(r[1]) or 0
+    if c >= (num(r[2]) or 0) then
       park(job, spec, i)
       return false
     end
-    call('HSET', K_STATE, key, c + 1)
+    call('HSET', K_STATE, key, int(c + 1))
     touched = true
   end
   lease(job, spec.ls)
@@ -155,7 +175,7 @@ local function wake(m, klen)
   local job = sub(m, j, z - 1)
   local n = byte(m, z + 1) + 1 -- the spec starts at m[z + 1]
   if n > byte(m, z + 2) then
-    lease(job, tonumber(sub(m, z + 21, z + 30)))
+    lease(job, sub(m, z + 21, z + 30) + 0)
     return job, sub(m, find(m, '\1', z + 31, true) + 1)
   end
   local spec = parse(sub(m, z + 1))
@@ -175,7 +195,7 @@ local function handoff(key, c, l, stored, woken, full)
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
     local klen = #key
     while c < l do
-      local head = call('ZRANGEBYLEX', K_WAITS, lo, hi, 'LIMIT', 0, 1)[1]
+      local head = call('ZRANGEBYLEX', K_WAITS, lo, hi, 'LIMIT', '0', '1')[1]
       if not head then break end
       call('ZREM', K_WAITS, head)
       c = c + 1
@@ -187,7 +207,7 @@ local function handoff(key, c, l, stored, woken, full)
     end
   end
   if c ~= stored then
-    if c > 0 then call('HSET', K_STATE, key, c) else call('HDEL', K_STATE, key) end
+    if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key) end
   end
   return c ~= stored
 end
@@ -195,7 +215,7 @@ end
 -- Hand on `key` after its limit rose from `was` to `l`, reading its count. True if a
 -- waiter got a slot (counts moved).
 local function handoff_key(key, l, was, woken)
-  local c = tonumber(call('HGET', K_STATE, key)) or 0
+  local c = num(call('HGET', K_STATE, key)) or 0
   return handoff(key, c, l, c, woken, c >= was)
 end
 
@@ -219,10 +239,10 @@ local function drop(job, raw, k, ko, woken, admitted, cl, co)
     local key = k[ko + i]
     local c, l
     if cl and not touched then
-      c, l = tonumber(cl[co + 2 * i - 1]) or 0, tonumber(cl[co + 2 * i]) or 0
+      c, l = num(cl[co + 2 * i - 1]) or 0, num(cl[co + 2 * i]) or 0
     else
       local r = call('HMGET', K_STATE, key, '\0' .. key)
-      c, l = tonumber(r[1]) or 0, tonumber(r[2]) or 0
+      c, l = num(r[1]) or 0, num(r[2]) or 0
     end
     handoff(key, c - 1, l, c, woken, c >= l)
   end
@@ -232,7 +252,7 @@ end
 -- `reclaimed` as job_id, data pairs, then store the new earliest expiry in "\1due". The
 -- common path is free: operations only come here when now >= due (the sweep always does).
 local function reclaim(max, woken, reclaimed)
-  local expired = call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, max)
+  local expired = call('ZRANGEBYSCORE', K_LEASES, '-inf', fmt('%d', now), 'LIMIT', '0', int(max))
   for i = 1, #expired do
     local job = expired[i]
     local raw = call('HGET', K_STATE, '\2' .. job)
@@ -246,7 +266,7 @@ local function reclaim(max, woken, reclaimed)
     end
   end
   local first = call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
-  local earliest = tonumber(first[2])
+  local earliest = num(first[2])
   if earliest ~= due then
     if earliest then call('HSET', K_STATE, DUE, first[2]) else call('HDEL', K_STATE, DUE) end
     due = earliest
@@ -273,7 +293,7 @@ local function store_limits(argv, first, old, woken)
   local i = 0
   for a = first, #argv, 2 do
     i = i + 1
-    local lim, was = tonumber(argv[a + 1]), tonumber(old[i])
+    local lim, was = num(argv[a + 1]), num(old[i])
     if was ~= lim then
       set[#set + 1] = '\0' .. argv[a]
       set[#set + 1] = argv[a + 1]
@@ -287,7 +307,7 @@ local function store_limits(argv, first, old, woken)
   local moved = false
   for j = #raised - 1, 1, -2 do
     local a = raised[j]
-    if handoff_key(argv[a], tonumber(argv[a + 1]), raised[j + 1], woken) then moved = true end
+    if handoff_key(argv[a], num(argv[a + 1]), raised[j + 1], woken) then moved = true end
   end
   return moved
 end

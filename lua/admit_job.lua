@@ -20,7 +20,7 @@ local nk = (#ARGV - 5) / 2
 local jf = '\2' .. job
 local f_job = 2 * nk + 1
 local r = admit_read(ARGV, nk, jf)
-due = tonumber(r[f_job + 1])
+due = num(r[f_job + 1])
 if reclaim_due(8, W, R) then r = admit_read(ARGV, nk, jf) end
 if ARGV[5] == '1' and not r[f_job + 3] then return reply({0, '', 0, 0, 1}, W, R) end
 local known = r[f_job]
@@ -43,7 +43,7 @@ end
 -- Count the keys that have room (count < limit), in order.
 local n = 1
 while n <= nk do
-  if (tonumber(r[2 * n - 1]) or 0) >= tonumber(ARGV[5 + 2 * n]) then break end
+  if (num(r[2 * n - 1]) or 0) >= num(ARGV[5 + 2 * n]) then break end
   n = n + 1
 end
 local ls = ARGV[3]
@@ -56,39 +56,40 @@ else
   tail = ls .. table.concat(names, '\0') .. '\1' .. ARGV[4]
 end
 if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
-  local e = now + tonumber(ls)
+  local e = now + ls
+  local es = fmt('%d', e)
   local raw = spec_raw(nk + 1, nk, IP[ARGV[2]], NOSEQ, tail)
   local lower = not due or e < due
   if nk == 1 then
     if lower then
-      call('HSET', K_STATE, ARGV[6], (tonumber(r[1]) or 0) + 1, jf, raw, DUE, e)
+      call('HSET', K_STATE, ARGV[6], int((num(r[1]) or 0) + 1), jf, raw, DUE, es)
     else
-      call('HSET', K_STATE, ARGV[6], (tonumber(r[1]) or 0) + 1, jf, raw)
+      call('HSET', K_STATE, ARGV[6], int((num(r[1]) or 0) + 1), jf, raw)
     end
   else
     local set = {}
     for i = 1, nk do
       set[2 * i - 1] = ARGV[4 + 2 * i]
-      set[2 * i] = (tonumber(r[2 * i - 1]) or 0) + 1
+      set[2 * i] = int((num(r[2 * i - 1]) or 0) + 1)
     end
     set[2 * nk + 1], set[2 * nk + 2] = jf, raw
-    if lower then set[2 * nk + 3], set[2 * nk + 4] = DUE, e end
+    if lower then set[2 * nk + 3], set[2 * nk + 4] = DUE, es end
     call('HSET', K_STATE, unpack_(set))
   end
-  call('ZADD', K_LEASES, e, job)
+  call('ZADD', K_LEASES, es, job)
   if #W == 0 and #R == 0 then return 1 end
   return reply({1, '', 0, 0, 0}, W, R)
 end
 -- Parked on key n: counts of keys 1..n-1, the spec and the arrival counter in one HSET.
-local seq = (tonumber(r[f_job + 2]) or 0) + 1
+local seq = (num(r[f_job + 2]) or 0) + 1
 local raw = spec_raw(n, nk, IP[ARGV[2]], fmt('%016x', seq), tail)
 local set = {}
 for i = 1, n - 1 do
   set[2 * i - 1] = ARGV[4 + 2 * i]
-  set[2 * i] = (tonumber(r[2 * i - 1]) or 0) + 1
+  set[2 * i] = int((num(r[2 * i - 1]) or 0) + 1)
 end
 set[#set + 1], set[#set + 2] = jf, raw
-set[#set + 1], set[#set + 2] = SEQ, seq
+set[#set + 1], set[#set + 2] = SEQ, fmt('%d', seq)
 call('HSET', K_STATE, unpack_(set))
 local key = ARGV[4 + 2 * n]
 call('ZADD', K_WAITS, 0, wait_member(key, raw, job))

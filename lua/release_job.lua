@@ -25,7 +25,7 @@ else
   end
   r = call('HMGET', K_STATE, unpack_(fields))
 end
-due = tonumber(r[2])
+due = num(r[2])
 local found = 0
 local raw = r[1]
 if raw then

@@ -7,14 +7,15 @@
 -- gone.
 -- Returns: 1 renewed, 0 unknown / parked / expired
 local job = ARGV[1]
-local exp = tonumber(call('ZSCORE', K_LEASES, job))
+local exp = num(call('ZSCORE', K_LEASES, job))
 if not exp then return 0 end
 clock()
 if exp <= now then return 0 end
-local e = now + tonumber(ARGV[2])
-call('ZADD', K_LEASES, e, job)
+local e = now + ARGV[2]
+local es = fmt('%d', e)
+call('ZADD', K_LEASES, es, job)
 if e < exp then
-  local d = tonumber(call('HGET', K_STATE, DUE))
-  if not d or e < d then call('HSET', K_STATE, DUE, e) end
+  local d = num(call('HGET', K_STATE, DUE))
+  if not d or e < d then call('HSET', K_STATE, DUE, es) end
 end
 return 1
