@@ -58,7 +58,7 @@ end
 if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
   local e = now + ls
   local es = fmt('%d', e)
-  local raw = spec_raw(nk + 1, nk, IP[ARGV[2]], NOSEQ, tail)
+  local raw = spec_raw(nk + 1, nk, ip_of(ARGV[2]), NOSEQ, tail)
   local lower = not due or e < due
   if nk == 1 then
     if lower then
@@ -82,7 +82,7 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
 end
 -- Parked on key n: counts of keys 1..n-1, the spec and the arrival counter in one HSET.
 local seq = (num(r[f_job + 2]) or 0) + 1
-local raw = spec_raw(n, nk, IP[ARGV[2]], fmt('%016x', seq), tail)
+local raw = spec_raw(n, nk, ip_of(ARGV[2]), fmt('%016x', seq), tail)
 local set = {}
 for i = 1, n - 1 do
   set[2 * i - 1] = ARGV[4 + 2 * i]
