@@ -18,6 +18,12 @@ from tests.base import RedisTestCase
 
 class EngineBenchSmokeTest(RedisTestCase):
     def test_quick_run_writes_the_documented_json(self) -> None:
+        stale = "fairqueue_0000000000bb"  # another code version's library, left loaded
+        self.redis.function_load(
+            f"#!lua name={stale}\nredis.register_function('fq_0000000000bb_admit_job', function() return 1 end)",
+            replace=True,
+        )
+        self.addCleanup(self.redis.function_delete, stale)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "bench.json"
             call_command(
@@ -57,7 +63,8 @@ class EngineBenchSmokeTest(RedisTestCase):
                 set(row), {"keys", "waiters", "admit_server_us", "ratio_to_trivial", "cold_ratio_to_trivial"}
             )
             self.assertGreater(row["cold_ratio_to_trivial"], 0)
-        self.assertIsInstance(data["warnings"], list)  # calls seen != sent (a shared server) is only reported
+        self.assertIn(stale, data["stale_libraries"])  # they slow every FCALL: the run says so
+        self.assertTrue(any("engine_libraries --prune" in w for w in data["warnings"]))
         self.assertEqual(self.redis.dbsize(), 0)  # flushed afterwards
 
     def test_refuses_a_non_empty_database(self) -> None:
