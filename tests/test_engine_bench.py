@@ -66,9 +66,11 @@ class EngineBenchSmokeTest(RedisTestCase):
         self.assertIn(stale, data["stale_libraries"])  # they slow every FCALL: the run says so
         self.assertTrue(any("engine_libraries --prune" in w for w in data["warnings"]))
         self.assertEqual(self.redis.dbsize(), 0)  # flushed afterwards
+        self.assertEqual(self.redis.function_list(library="fqbench_trivial"), [])  # and its library deleted
 
     def test_refuses_a_non_empty_database(self) -> None:
         redis.Redis.from_url(settings.REDIS_URL).set("precious", "1")
         with self.assertRaises(CommandError):
             call_command("bench", "engine", "--quick", "--redis-url", settings.REDIS_URL, stdout=io.StringIO())
         self.assertEqual(self.redis.get("precious"), b"1")
+        self.assertEqual(self.redis.function_list(library="fqbench_trivial"), [])  # nothing loaded either

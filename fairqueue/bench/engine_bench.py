@@ -33,7 +33,10 @@ TRIVIAL = "return redis.call('incr', KEYS[1])"
 # without (TIME, HMGET of spec/due/count/limit, HDEL of the spec, ZREM of the lease, the
 # queue head by ZRANGEBYLEX, its ZREM, the woken job's ZADD), with no logic around them.
 # It reads the engine's wait-entry layout (lua/_lib.lua) to find the woken job and lease.
-TRIVIAL_LIBRARY = """#!lua name=fqbench_trivial
+TRIVIAL_LIBRARY_NAME = "fqbench_trivial"
+TRIVIAL_LIBRARY = (
+    f"#!lua name={TRIVIAL_LIBRARY_NAME}\n"
+    + """
 redis.register_function('fq_bench_trivial', function(KEYS, ARGV) return redis.call('incr', KEYS[1]) end)
 redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   local job, key = ARGV[1], ARGV[2]
@@ -52,6 +55,7 @@ redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   return {1, 2, woken, ''}
 end)
 """
+)
 TAG = "bench"
 BIG = 1_000_000_000  # a limit nobody reaches
 TARGETS = {"admit_ratio": 8.0, "release_ratio": 8.0, "admit3_ratio": 20.0, "scaling_spread": 1.5, "pairs_ratio": 0.4}
@@ -326,10 +330,11 @@ def run_loop(url: str, seconds: float, worker: int) -> tuple[int, float, int, fl
 def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every phase; returns the figures (also the JSON written by the command)."""
     sizes = Sizes.quick() if quick else Sizes()
-    bench = Bench(url, sizes, log)
-    size = bench.client.dbsize()
+    with redis.Redis.from_url(url) as client:
+        size = client.dbsize()
     if size:
         raise RuntimeError(f"Refusing to benchmark: Redis at {url} holds {size} keys; point --redis-url at an empty db")
+    bench = Bench(url, sizes, log)
     try:
         log(f"FairQueue engine benchmark against {url}{' (quick)' if quick else ''}")
         log("Server-side cost (INFO commandstats, pipelined batches):")
@@ -340,6 +345,8 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
         result["scaling"] = bench.scaling()
     finally:
         bench.client.flushdb()
+        # Leave no library behind: every library in the Functions VM costs each FCALL.
+        bench.client.function_delete(TRIVIAL_LIBRARY_NAME)
     # Scaling is compared on the local ratios too: µs alone would measure the VM's drift.
     scaling_ratios = [row["ratio_to_trivial"] for row in result["scaling"]]
     cold_ratios = [row["cold_ratio_to_trivial"] for row in result["scaling"]]
