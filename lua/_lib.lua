@@ -33,7 +33,7 @@
 --
 -- Numbers cross into Redis as strings made here (int, ms) and come back through num: a
 -- Lua number passed to redis.call is printed with "%.17g" and tonumber() parses a string
--- twice, together about a fifth of a release before this was done (perf, Redis 7.0).
+-- twice: together ~9% of a release in a perf profile of redis-server (Redis 7.0).
 local K_STATE, K_WAITS, K_LEASES
 local call, fmt, sub, find, byte, char, floor, unpack_
 -- IP["7"] = hex of 255-7, the priority part of a wait entry, cached for the priorities in
