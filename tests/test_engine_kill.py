@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -30,8 +31,9 @@ time.sleep(600)
 
 
 class SigkillTest(RedisTestCase):
-    def test_killed_holder_slots_go_to_waiters_after_lease(self) -> None:
-        e = Engine(redis.Redis.from_url(settings.REDIS_URL))
+    def kill_victim_after(self, park_waiters: Callable[[], object]) -> None:
+        """Start VICTIM (it admits victim-1 on a+b and victim-2 on c, 1 s leases), let
+        `park_waiters` queue jobs behind it, then SIGKILL it while it holds its slots."""
         root = Path(__file__).resolve().parent.parent
         proc = subprocess.Popen(
             [sys.executable, "-c", VICTIM, settings.REDIS_URL, T], cwd=root, stdout=subprocess.PIPE, text=True
@@ -39,8 +41,7 @@ class SigkillTest(RedisTestCase):
         try:
             assert proc.stdout is not None
             self.assertEqual(proc.stdout.readline().strip(), "ready")
-            for job, keys in [("w-a", {"a": 1}), ("w-b", {"b": 1, "d": 1}), ("w-c", {"c": 1})]:
-                self.assertFalse(e.admit(tag=T, job_id=job, keys=keys, lease_seconds=60, data=job).admitted)
+            park_waiters()
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
         finally:
@@ -48,6 +49,15 @@ class SigkillTest(RedisTestCase):
                 proc.kill()
                 proc.wait()
         self.assertEqual(proc.returncode, -signal.SIGKILL)
+
+    def test_killed_holder_slots_go_to_waiters_after_lease(self) -> None:
+        e = Engine(redis.Redis.from_url(settings.REDIS_URL))
+
+        def park_waiters() -> None:
+            for job, keys in [("w-a", {"a": 1}), ("w-b", {"b": 1, "d": 1}), ("w-c", {"c": 1})]:
+                self.assertFalse(e.admit(tag=T, job_id=job, keys=keys, lease_seconds=60, data=job).admitted)
+
+        self.kill_victim_after(park_waiters)
         # Still held right after the kill: the lease has not run out.
         self.assertEqual(e.reclaim(tag=T).reclaimed, [])
         self.assertEqual(e.inspect_key(tag=T, key="a").holders, ["victim-1"])
@@ -69,20 +79,7 @@ class SigkillTest(RedisTestCase):
 
     def test_sweep_reclaims_an_idle_tag(self) -> None:
         e = Engine(redis.Redis.from_url(settings.REDIS_URL))
-        root = Path(__file__).resolve().parent.parent
-        proc = subprocess.Popen(
-            [sys.executable, "-c", VICTIM, settings.REDIS_URL, T], cwd=root, stdout=subprocess.PIPE, text=True
-        )
-        try:
-            assert proc.stdout is not None
-            self.assertEqual(proc.stdout.readline().strip(), "ready")
-            e.admit(tag=T, job_id="w-c", keys={"c": 1}, lease_seconds=60, data="w-c")
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        self.kill_victim_after(lambda: e.admit(tag=T, job_id="w-c", keys={"c": 1}, lease_seconds=60, data="w-c"))
         deadline = time.monotonic() + 3
         reclaimed: list[str] = []
         woken: list[str] = []
