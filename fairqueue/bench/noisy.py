@@ -275,26 +275,25 @@ def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "isolation": iu,
         "met": None if (fu is None or iu is None) else (fu >= 0.9 and fu > iu),
     }
-    fm, qm = get(fair, "noisy_makespan_s"), get(fifo, "noisy_makespan_s")
-    mratio = None if (fm is None or not qm) else fm / qm
-    out["noisy_makespan"] = {
-        "target": "fair noisy makespan <= 1.1 x fifo's",
-        "fair": fm,
-        "fifo": qm,
-        "ratio_fair_over_fifo": None if mratio is None else round(mratio, 3),
-        "met": None if mratio is None else mratio <= 1.1,
-    }
+
+    def makespan_ratio(figure: str, target: str) -> dict[str, Any]:
+        f, q = get(fair, figure), get(fifo, figure)
+        ratio = None if (f is None or not q) else f / q
+        return {
+            "target": target,
+            "fair": f,
+            "fifo": q,
+            "ratio_fair_over_fifo": None if ratio is None else round(ratio, 3),
+            "met": None if ratio is None else ratio <= 1.1,
+        }
+
+    out["noisy_makespan"] = makespan_ratio("noisy_makespan_s", "fair noisy makespan <= 1.1 x fifo's")
     # Informational: the same ratio once each mode's makespan excludes the steady tenants'
     # work done inside the noisy window (pool-seconds), i.e. capacity wasted or not.
-    fa, qa = get(fair, "noisy_makespan_excl_quiet_s"), get(fifo, "noisy_makespan_excl_quiet_s")
-    aratio = None if (fa is None or not qa) else fa / qa
-    out["noisy_makespan_excl_quiet_work"] = {
-        "target": "(informational) same ratio without the steady tenants' work inside the window <= 1.1",
-        "fair": fa,
-        "fifo": qa,
-        "ratio_fair_over_fifo": None if aratio is None else round(aratio, 3),
-        "met": None if aratio is None else aratio <= 1.1,
-    }
+    out["noisy_makespan_excl_quiet_work"] = makespan_ratio(
+        "noisy_makespan_excl_quiet_s",
+        "(informational) same ratio without the steady tenants' work inside the window <= 1.1",
+    )
     return out
 
 
@@ -306,10 +305,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny run for the test suite: shape, not figures")
     parser.add_argument("--json", dest="json_path", help="also write the result document to this JSON file")
     parser.add_argument("--plot", dest="plot_path", help="write the wait distributions to this PNG")
-    parser.add_argument(
-        "--redis-url", default=stack.DEFAULT_REDIS_URL, help="a Redis database for the bench alone (flushed)"
-    )
-    parser.add_argument("--force", action="store_true", help="flush --redis-url even if it holds data")
+    stack.add_redis_arguments(parser)
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the preset's)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: the preset's)")

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -26,6 +27,13 @@ SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY (not imported: no
 
 class StackError(RuntimeError):
     pass
+
+
+def add_redis_arguments(parser: Any) -> None:
+    """--redis-url and --force, shared by the benches that run the whole stack
+    (redis_db_prepare enforces them)."""
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="a Redis database for the bench alone (flushed)")
+    parser.add_argument("--force", action="store_true", help="flush --redis-url even if it holds data")
 
 
 def redis_db_prepare(url: str, *, force: bool) -> None:

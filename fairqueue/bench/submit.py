@@ -40,10 +40,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer jobs")
     parser.add_argument("--smoke", action="store_true", help="a tiny run for tests: shape, not figures")
     parser.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
-    parser.add_argument(
-        "--redis-url", default=stack.DEFAULT_REDIS_URL, help="a Redis database for the bench alone (flushed)"
-    )
-    parser.add_argument("--force", action="store_true", help="flush --redis-url even if it holds data")
+    stack.add_redis_arguments(parser)
 
 
 def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
