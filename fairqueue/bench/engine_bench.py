@@ -232,10 +232,10 @@ class Bench:
         see the same conditions (alternating whole loops of half a second gave ratios from
         0.14 to 0.49; interleaved calls give the same ratio to 1%)."""
         secs, procs = self.sizes.seq_seconds, self.sizes.processes
-        trivial_n, trivial_s, pairs_n, pairs_s = run_loop(self.url, secs, 0)
+        rounds, trivial_s, pairs_s = run_loop(self.url, secs, 0)
         out = {
-            "trivial_calls_per_s_one_client": trivial_n / trivial_s,
-            "pairs_per_s_one_client": pairs_n / pairs_s,
+            "trivial_calls_per_s_one_client": rounds / trivial_s,
+            "pairs_per_s_one_client": rounds / pairs_s,
         }
         out["pairs_ratio_one_client"] = out["pairs_per_s_one_client"] / out["trivial_calls_per_s_one_client"]
         self.log(f"  trivial calls/s, one client         {out['trivial_calls_per_s_one_client']:10.0f}")
@@ -246,8 +246,8 @@ class Bench:
             results = pool.starmap(run_loop, [(self.url, secs, i) for i in range(procs)])
         # Each process's rate of each kind, summed: what the processes would do together
         # if they all ran that kind.
-        out["trivial_calls_per_s_concurrent"] = sum(r[0] / r[1] for r in results)
-        out["pairs_per_s_concurrent"] = sum(r[2] / r[3] for r in results)
+        out["trivial_calls_per_s_concurrent"] = sum(n / trivial_s for n, trivial_s, _ in results)
+        out["pairs_per_s_concurrent"] = sum(n / pairs_s for n, _, pairs_s in results)
         for kind, key in (("trivial", "trivial_calls_per_s_concurrent"), ("pairs", "pairs_per_s_concurrent")):
             self.log(f"  {kind} per s, {procs} processes{'':12} {out[key]:10.0f}")
         self.client.flushdb()
@@ -293,10 +293,10 @@ class Bench:
         return point
 
 
-def run_loop(url: str, seconds: float, worker: int) -> tuple[int, float, int, float]:
+def run_loop(url: str, seconds: float, worker: int) -> tuple[int, float, float]:
     """For ``seconds``: one trivial call, then one admit+release pair, and again; returns
-    (trivial calls, seconds spent in them, pairs, seconds spent in them). Top level so
-    'spawn' processes can run it."""
+    (rounds, seconds spent in the trivial calls, seconds spent in the pairs). Top level
+    so 'spawn' processes can run it."""
     client = redis.Redis.from_url(url)
     engine = Engine(client)
     sha = client.script_load(TRIVIAL)
@@ -324,7 +324,7 @@ def run_loop(url: str, seconds: float, worker: int) -> tuple[int, float, int, fl
         if clock() >= stop:
             break
     client.close()
-    return count, trivial_s, count, pairs_s
+    return count, trivial_s, pairs_s
 
 
 def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
