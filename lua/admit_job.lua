@@ -1,5 +1,5 @@
 -- admit_job.lua: admit a job on its keys, or park it on the first full one.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id, priority (int 0..250, higher first), lease (ms > 0, 10 digits zero-padded:
 --       the spec stores it at a fixed place), data (opaque string),
 --       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
@@ -13,7 +13,8 @@
 --           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- With require_ready=1 on a tag that init_tag has not marked ready (its state was lost and
 -- is not rebuilt yet), nothing is stored: {0, '', 0, 0, 1, ...}.
--- Common path (all keys free, limits unchanged, no lease due): TIME, HMGET, HSET, ZADD.
+-- Common path (all keys free, limits unchanged, no lease due): PTTL (the clock), HMGET,
+-- HSET, ZADD.
 local job = ARGV[1]
 clock()
 local nk = (#ARGV - 5) / 2

@@ -1,10 +1,10 @@
 -- cancel_job.lua: withdraw a parked job (not a running one); the keys it held while
 -- parked are handed on to their waiters.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id
 -- Does: if the job is parked (has no lease), drop it like release_job; then reclaim up to
 -- 8 expired leases.
--- Returns: cancelled 1|0 when nothing was woken or reclaimed; otherwise
+-- Returns: like release_job: cancelled 1|0, "job_id\0data" (one job woken), or
 --          {cancelled 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 local job = ARGV[1]
 clock()
@@ -16,5 +16,4 @@ if r[1] and not call('ZSCORE', K_LEASES, job) then
   cancelled = 1
 end
 reclaim_due(8, W, R)
-if #W == 0 and #R == 0 then return cancelled end
-return reply({cancelled}, W, R)
+return done(cancelled)

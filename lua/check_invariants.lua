@@ -1,6 +1,6 @@
 -- check_invariants.lua: consistency audit for tests and operators. O(state): never on a
 -- hot path.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: none
 -- Checks: each key's count equals the holders its jobs' specs imply (an admitted job,
 -- i.e. one with a lease, holds all its keys; a parked one keys 1..n-1 and has its wait

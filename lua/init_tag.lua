@@ -1,6 +1,6 @@
 -- init_tag.lua: mark a tag ready: its state is complete (fresh, or rebuilt by the caller
 -- after a loss of Redis data). Admits with require_ready do nothing on a tag not ready.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: none
 -- Does: set the READY field of `state` if missing (idempotent).
 -- Returns: 1 if this call marked the tag ready, 0 if it already was.

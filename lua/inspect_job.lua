@@ -1,5 +1,5 @@
 -- inspect_job.lua: one job's state (read only).
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id
 -- Returns: {status "r" admitted | "w" parked | "" unknown, held keys {key, ...},
 --           parked key or "", position (1-based, 0 if not parked), lease expiry (ms, -1 if none),

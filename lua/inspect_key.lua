@@ -1,5 +1,5 @@
 -- inspect_key.lua: one key's state for dashboards and tests (read only).
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: key, list holders (1|0)
 -- Holders are not indexed (that would cost every admit a write): they are found by
 -- scanning the tag's jobs, O(jobs of the tag). Waiters per priority cost O(log n) per

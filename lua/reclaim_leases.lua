@@ -1,7 +1,7 @@
 -- reclaim_leases.lua: release jobs whose lease ran out (their worker died or hung).
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: max jobs to reclaim in this call (int >= 1)
--- Does: release up to max jobs with lease <= now (Redis TIME, ms), earliest first,
+-- Does: release up to max jobs with lease <= now (Redis server time, ms), earliest first,
 -- handing their slots on. Unlike the inline reclaim of the other operations it looks at
 -- the leases themselves whatever "\1due" says, and stores the true earliest expiry: the
 -- sweep is the backstop that would also repair a wrong hint.

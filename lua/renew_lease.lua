@@ -1,5 +1,5 @@
 -- renew_lease.lua: heartbeat of a running job.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id, lease (ms, > 0)
 -- Does: if the job is admitted and its lease has not run out yet, set its lease to
 -- now + lease (lowering "\1due" if the new expiry is the earliest). A job whose lease ran

@@ -1,5 +1,5 @@
 -- set_limits.lua: an operator changes limits; a raised limit wakes waiters at once.
--- KEYS: the 3 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
+-- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: require_ready (1|0), then key, limit pairs (limits ints >= 0, keys sorted).
 -- Does: store each changed limit; where it rose and left room on a key with waiters, hand
 -- on. A lowered limit evicts nobody: nobody new gets in until holders drop below it.

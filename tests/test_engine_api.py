@@ -20,6 +20,11 @@ from tests.base import RedisTestCase
 T = "s:api"
 
 
+def stored_kinds(client: redis.Redis) -> set[str]:
+    """Which of a tag's engine keys exist ("state", "waits", ...)."""
+    return {k.decode().rsplit(":", 1)[1] for k in client.keys("*")}
+
+
 class EngineBehaviour(RedisTestCase):
     def setUp(self) -> None:
         super().setUp()
@@ -30,7 +35,7 @@ class EngineBehaviour(RedisTestCase):
 
     def test_key_layout_shares_one_hash_tag(self) -> None:
         keys = tag_keys("fq", "s:shard1")
-        self.assertEqual(keys, tuple(f"fq:{{s:shard1}}:v{LAYOUT}:{n}" for n in ("state", "waits", "leases")))
+        self.assertEqual(keys, tuple(f"fq:{{s:shard1}}:v{LAYOUT}:{n}" for n in ("state", "waits", "leases", "clock")))
         self.assertTrue(all("{s:shard1}" in k for k in keys))
 
     def test_handoff_goes_to_head_waiter_in_the_same_call(self) -> None:
@@ -161,6 +166,38 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual((res.reclaimed, res.woken), ([Woken("a", "d-a")], [Woken("b", "d-b")]))
         self.assertEqual(self.e.check_invariants(tag=T), [])
 
+    def test_clock_key_reads_server_time_and_survives_loss_and_tampering(self) -> None:
+        clock = tag_keys("fq", T)[3]
+        client = self.e.client
+
+        def server_ms() -> int:
+            seconds, micros = client.time()
+            return seconds * 1000 + micros // 1000
+
+        def lease_ends_at(job: str) -> int:
+            ends = self.e.inspect_job(tag=T, job_id=job).lease_expires_ms
+            assert ends is not None
+            return ends
+
+        before = server_ms()
+        self.admit("a", {"k": 5}, lease=60)  # a fresh tag: no clock key yet, TIME, then set
+        self.assertEqual(client.pexpiretime(clock), 10**15)
+        self.admit("b", {"k": 5}, lease=60)  # read from the clock key
+        after = server_ms()
+        for job in ("a", "b"):
+            self.assertTrue(before + 60_000 <= lease_ends_at(job) <= after + 60_000, job)
+        # Lost (or evicted), then set by someone else to expire soon: a clock read from it
+        # would be centuries ahead and reclaim every lease. Both fall back to TIME and reset.
+        for damage in (lambda: client.delete(clock), lambda: client.set(clock, "", px=100_000)):
+            damage()
+            before = server_ms()
+            res = self.admit(f"c{before}", {"k": 5}, lease=60)
+            self.assertTrue(res.admitted)
+            self.assertEqual(res.reclaimed, [])
+            self.assertTrue(before + 60_000 <= lease_ends_at(f"c{before}") <= server_ms() + 60_000)
+            self.assertEqual(client.pexpiretime(clock), 10**15)
+        self.assertEqual(self.e.release(tag=T, job_id="a").reclaimed, [])
+
     def test_renew_extends_a_real_lease(self) -> None:
         self.admit("a", {"k": 1}, lease=0.3)
         for _ in range(3):
@@ -238,8 +275,7 @@ class EngineBehaviour(RedisTestCase):
         self.admit("a", {"x": 2, "y": 2})
         self.assertEqual(self.e.counts(tag=T, keys=["x", "y", "z"]), {"x": 1, "y": 1, "z": 0})
         self.e.release(tag=T, job_id="a")
-        names = {k.decode().rsplit(":", 1)[1] for k in self.e.client.keys("*")}
-        self.assertEqual(names, {"state"})  # no waiters or leases left
+        self.assertEqual(stored_kinds(self.e.client), {"state", "clock"})  # no waiters or leases left
         fields = set(self.e.client.hkeys(tag_keys("fq", T)[0]))
         self.assertEqual({f for f in fields if f[:1] != b"\1"}, {b"\0x", b"\0y"})  # only the limits (and meta)
 
@@ -247,13 +283,13 @@ class EngineBehaviour(RedisTestCase):
         # A fresh (or flushed) tag is not ready: a guarded admit stores nothing at all.
         out = self.e.admit(tag=T, job_id="a", keys={"k": 5}, lease_seconds=60, require_ready=True)
         self.assertEqual((out.admitted, out.parked_on, out.position, out.not_ready), (False, None, None, True))
-        self.assertEqual(self.e.client.dbsize(), 0)
+        self.assertLessEqual(stored_kinds(self.e.client), {"clock"})  # no state stored
         bulk = self.e.admit_many([AdmitRequest(T, "b", {"k": 5}, 60)], require_ready=True)
         self.assertTrue(bulk[0].not_ready)
         bulk = self.e.admit_many([AdmitRequest(T, "b", {"k": 5}, 60, require_ready=True)])
         self.assertTrue(bulk[0].not_ready)
         self.assertEqual(self.e.set_limits(tag=T, limits={"k": 3}, require_ready=True), [])
-        self.assertEqual(self.e.client.dbsize(), 0)
+        self.assertLessEqual(stored_kinds(self.e.client), {"clock"})  # no state stored
         # A rebuild re-enters what it knows unguarded, then marks the tag ready (idempotent).
         self.assertTrue(self.admit("running", {"k": 1}).admitted)
         self.assertTrue(self.e.init_tag(tag=T))

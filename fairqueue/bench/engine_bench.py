@@ -30,9 +30,10 @@ from fairqueue.engine.scripts import function_name, library, loaded_libraries
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
 # The floor under a one-key release with handoff: the seven Redis commands it cannot do
-# without (TIME, HMGET of spec/due/count/limit, HDEL of the spec, ZREM of the lease, the
-# queue head by ZRANGEBYLEX, its ZREM, the woken job's ZADD), with no logic around them.
-# It reads the engine's wait-entry layout (lua/_lib.lua) to find the woken job and lease.
+# without (the clock's PTTL, HMGET of spec/due/count/limit, HDEL of the spec, ZREM of the
+# lease, the queue head by ZRANGEBYLEX, its ZREM, the woken job's ZADD), with no logic
+# around them, replying like the engine. It reads the engine's key order and wait-entry
+# layout (lua/_lib.lua) to find the woken job and lease.
 TRIVIAL_LIBRARY_NAME = "fqbench_trivial"
 TRIVIAL_LIBRARY = (
     f"#!lua name={TRIVIAL_LIBRARY_NAME}\n"
@@ -40,8 +41,7 @@ TRIVIAL_LIBRARY = (
 redis.register_function('fq_bench_trivial', function(KEYS, ARGV) return redis.call('incr', KEYS[1]) end)
 redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   local job, key = ARGV[1], ARGV[2]
-  local t = redis.call('TIME')
-  local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now = 1e15 - redis.call('PTTL', KEYS[4])
   local jf = '\\2' .. job
   redis.call('HMGET', KEYS[1], jf, '\\1due', key, '\\0' .. key)
   redis.call('HDEL', KEYS[1], jf)
@@ -52,7 +52,7 @@ redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   local z = string.find(head, '\\0', j, true)
   local woken = string.sub(head, j, z - 1)
   redis.call('ZADD', KEYS[3], string.format('%d', now + string.sub(head, z + 21, z + 30)), woken)
-  return {1, 2, woken, ''}
+  return woken .. '\\0'
 end)
 """
 )
@@ -220,7 +220,8 @@ class Bench:
         keys = ["h"] if hint else None
         calls = [self.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=keys)) for i in range(n)]
         if floor:
-            calls = [("FCALL", "fq_bench_release_floor", *c[2:7], "h") for c in calls]
+            # FCALL, the engine's function, numkeys, KEYS..., job_id, hint -> the floor's
+            calls = [("FCALL", "fq_bench_release_floor", *c[2 : 4 + c[2]], "h") for c in calls]
         out = self.measured(name, calls)
         self.client.flushdb()
         return out

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-#: Order matters: the Lua functions read KEYS[1..3] by position (see lua/_lib.lua).
+#: Order matters: the Lua functions read KEYS[1..4] by position (see lua/_lib.lua).
 #: ``state`` holds each key's holder count (the plain field), its limit (``"\0" + key``),
 #: each job's spec (``"\2" + job``) and the meta fields (``"\1..."``), so one HMGET
-#: reads everything an admit decides on.
-KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases")
+#: reads everything an admit decides on. ``clock`` is an empty string with a fixed expiry
+#: far in the future, so the functions read the server clock as one integer (its PTTL);
+#: it is the only key with an expiry, so eviction under a ``volatile-*`` policy can only
+#: take it, and the functions then fall back to TIME and set it again.
+KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases", "clock")
 
 #: Version of the data layout (field kinds, spec and wait-entry formats) in lua/_lib.lua.
 #: Bump it with any change to them.

@@ -168,8 +168,13 @@ def _split(r: list[Any], at: int) -> tuple[list[Woken], list[Woken]]:
 
 
 def _done(r: Any) -> tuple[bool, list[Woken], list[Woken]]:
+    """Release and cancel replies: found alone, one woken job as "job_id\\0data" (the
+    common handoff: a string costs Redis less than a table), or the flat table."""
     if isinstance(r, int):
         return bool(r), [], []
+    if isinstance(r, bytes | str):
+        job_id, _, data = text(r).partition("\0")
+        return True, [Woken(job_id, data)], []
     return (bool(r[0]), *_split(r, 1))
 
 
