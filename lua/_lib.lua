@@ -13,7 +13,7 @@
 --                  | "\1ready" -> 1 once init_tag ran | "\1due" -> lower bound of every
 --                  lease expiry in `leases` (absent when there are none)
 --   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0)
---   3 leases ZSET  job -> lease expiry (ms, Redis TIME); exactly the fully admitted jobs
+--   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
 -- Key names contain none of \0 \1 \2 and job ids no \0, so the field kinds of `state` never
 -- collide and one HMGET reads a job's spec, its keys' counts and limits and the meta fields.

@@ -84,7 +84,7 @@ MAX_LEASE_MS = 9_999_999_999
 
 
 def lease_ms(lease_seconds: float) -> int:
-    """Leases travel in milliseconds (Redis TIME resolution we use)."""
+    """Leases travel in milliseconds (the resolution of the engine's clock)."""
     if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float) or not lease_seconds > 0:
         raise ValueError(f"lease_seconds must be > 0, got {lease_seconds!r}")
     ms = max(1, round(lease_seconds * 1000))
