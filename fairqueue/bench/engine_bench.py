@@ -25,8 +25,8 @@ from typing import Any
 import redis
 
 from fairqueue.engine import ops
-from fairqueue.engine.engine import Engine
-from fairqueue.engine.scripts import function_name, library, loaded_libraries
+from fairqueue.engine.engine import Engine, fcall_args
+from fairqueue.engine.scripts import library, loaded_libraries
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
 # The floor under a one-key release with handoff: the seven Redis commands it cannot do
@@ -123,7 +123,7 @@ class Bench:
             pipe.execute()
 
     def call_args(self, call: ops.Call[Any]) -> tuple[Any, ...]:
-        return ("FCALL", function_name(call.script), len(call.keys), *call.keys, *call.args)
+        return ("FCALL", *fcall_args(call))
 
     def trivial_args(self) -> tuple[Any, ...]:
         return ("EVALSHA", self.trivial_sha, 1, "bench:trivial")

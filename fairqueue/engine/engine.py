@@ -33,7 +33,9 @@ from .scripts import function_name, is_already_loaded, is_missing_function, libr
 T = TypeVar("T")
 
 
-def _fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
+def fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
+    """Arguments of ``FCALL`` for one call (the function, numkeys, KEYS, ARGV): the engines
+    send them, the benchmark pipelines them raw."""
     return (function_name(call.script), len(call.keys), *call.keys, *call.args)
 
 
@@ -120,7 +122,7 @@ class Engine(_Base):
                 raise
 
     def _run(self, call: ops.Call[T]) -> T:
-        args = _fcall_args(call)
+        args = fcall_args(call)
         try:
             raw = self.client.fcall(*args)
         except ResponseError as e:
@@ -138,7 +140,7 @@ class Engine(_Base):
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for i in pending:
-                pipe.fcall(*_fcall_args(calls[i]))
+                pipe.fcall(*fcall_args(calls[i]))
             results = pipe.execute(raise_on_error=False)
             pending = _collect(pending, results, raws, last=attempt == 1)
             if not pending:
@@ -242,7 +244,7 @@ class AsyncEngine(_Base):
                 raise
 
     async def _run(self, call: ops.Call[T]) -> T:
-        args = _fcall_args(call)
+        args = fcall_args(call)
         try:
             raw = await self.client.fcall(*args)
         except ResponseError as e:
@@ -260,7 +262,7 @@ class AsyncEngine(_Base):
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for i in pending:
-                pipe.fcall(*_fcall_args(calls[i]))
+                pipe.fcall(*fcall_args(calls[i]))
             results = await pipe.execute(raise_on_error=False)
             pending = _collect(pending, results, raws, last=attempt == 1)
             if not pending:
