@@ -57,10 +57,9 @@ local touched -- a grant wrote counts of keys other than the one being handed on
 -- rather than allocated per call: every table a call creates is measurable garbage.
 local W, R = {}, {}
 
--- First thing every operation does: take the tag's KEYS and, once, bind the globals.
-local function bind(keys)
-  K_STATE, K_WAITS, K_LEASES, K_CLOCK = keys[1], keys[2], keys[3], keys[4]
-  if call then return end
+-- Bind the globals, on the first call of each operation (every operation first takes the
+-- tag's KEYS into K_*, inline: see scripts.py).
+local function bind()
   call, fmt, sub, find, byte, char = redis.call, string.format, string.sub, string.find, string.byte, string.char
   floor, unpack_ = math.floor, unpack
   for i = 0, 63 do

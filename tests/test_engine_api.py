@@ -130,6 +130,46 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(self.e.release(tag=T, job_id="hb").woken, [Woken("j", "d-j")])
         self.assertEqual(self.e.inspect_job(tag=T, job_id="j").held_keys, ["a", "b", "c"])
 
+    def test_hinted_release_at_a_full_key_takes_every_branch_like_the_general_path(self) -> None:
+        """A finishing job names its keys; at a key at its limit release_job.lua takes a
+        written-out path. Each of its exits must leave what the general path leaves."""
+        # Full, nobody waits: one holder fewer, the next newcomer gets in.
+        self.admit("a1", {"k": 2})
+        self.admit("a2", {"k": 2})
+        res = self.e.release(tag=T, job_id="a1", keys=["k"])
+        self.assertEqual((res.found, res.woken), (True, []))
+        self.assertEqual(self.e.counts(tag=T, keys=["k"]), {"k": 1})
+        self.assertTrue(self.admit("a3", {"k": 2}).admitted)
+        # Full with a one-key head: handed on, with its data byte for byte and a lease.
+        data = "payload \x01 with odd bytes \u00e9"
+        self.e.admit(tag=T, job_id="w1", keys={"k": 2}, priority=0, lease_seconds=60, data=data)
+        self.assertEqual(self.e.release(tag=T, job_id="a2", keys=["k"]).woken, [Woken("w1", data)])
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="w1").status, "admitted")
+        self.assertIsNotNone(self.e.inspect_job(tag=T, job_id="w1").lease_expires_ms)
+        self.assertEqual(self.e.counts(tag=T, keys=["k"]), {"k": 2})
+        # Full with a multi-key head that then parks on its later, full key.
+        self.admit("zh", {"z": 1})
+        self.admit("m", {"k": 2, "z": 1})
+        self.assertEqual(self.e.release(tag=T, job_id="a3", keys=["k"]).woken, [])
+        state = self.e.inspect_job(tag=T, job_id="m")
+        self.assertEqual((state.held_keys, state.parked_on), (["k"], "z"))
+        # A parked one-key job released with its hint: only its wait entry goes.
+        self.admit("p", {"k": 2})
+        self.assertTrue(self.e.release(tag=T, job_id="p", keys=["k"]).found)
+        self.assertEqual(self.e.inspect_key(tag=T, key="k", holders=False).waiting, 0)
+        self.assertEqual(self.e.counts(tag=T, keys=["k"]), {"k": 2})
+        # A wrong hint at a full key is ignored: the job's own keys are freed.
+        self.admit("q", {"k": 2})
+        self.assertEqual(self.e.release(tag=T, job_id="zh", keys=["k"]).woken, [Woken("m", "d-m")])
+        self.assertEqual(self.e.inspect_key(tag=T, key="k", holders=False).waiting, 1)
+        # A lease that ran out is reclaimed by the hinted release too.
+        self.assertTrue(self.e.expire_now(tag=T, job_id="w1"))
+        res = self.e.release(tag=T, job_id="m", keys=["k", "z"])
+        self.assertEqual([r.job_id for r in res.reclaimed], ["w1"])
+        self.assertEqual(self.e.counts(tag=T, keys=["k", "z"]), {"k": 1, "z": 0})
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="q").status, "admitted")
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
     def test_no_deadlock_with_opposite_order_key_sets(self) -> None:
         self.assertTrue(self.admit("ab", {"a": 1, "b": 1}).admitted)
         self.assertFalse(self.admit("ba", {"b": 1, "a": 1}).admitted)  # canonical order: parks on a
