@@ -21,7 +21,7 @@ local nk = (#ARGV - 5) / 2
 local jf = '\2' .. job
 local f_job = 2 * nk + 1
 local r = admit_read(ARGV, nk, jf)
-due = num(r[f_job + 1])
+read_due(r[f_job + 1])
 if reclaim_due(8, W, R) then r = admit_read(ARGV, nk, jf) end
 if ARGV[5] == '1' and not r[f_job + 3] then return reply({0, '', 0, 0, 1}, W, R) end
 local known = r[f_job]
@@ -57,7 +57,7 @@ else
   tail = ls .. table.concat(names, '\0') .. '\1' .. ARGV[4]
 end
 if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
-  local e = now + ls
+  local e = now + lease_ms(ls)
   local es = fmt('%d', e)
   local raw = spec_raw(nk + 1, nk, ip_of(ARGV[2]), NOSEQ, tail)
   local lower = not due or e < due

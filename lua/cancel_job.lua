@@ -9,7 +9,7 @@
 local job = ARGV[1]
 clock()
 local r = call('HMGET', K_STATE, '\2' .. job, DUE)
-due = num(r[2])
+read_due(r[2])
 local cancelled = 0
 if r[1] and not call('ZSCORE', K_LEASES, job) then
   drop(job, r[1], parse(r[1]).k, 0, W, false, nil, 0)

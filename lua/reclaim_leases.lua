@@ -7,6 +7,6 @@
 -- sweep is the backstop that would also repair a wrong hint.
 -- Returns: {#reclaimed, reclaimed job_id, data ..., woken job_id, data ...}
 clock()
-due = num(call('HGET', K_STATE, DUE))
+read_due(call('HGET', K_STATE, DUE))
 reclaim(tonumber(ARGV[1]), W, R)
 return reply({}, R, W)

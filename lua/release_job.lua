@@ -33,7 +33,8 @@ else
   r = call('HMGET', K_STATE, unpack_(fields))
 end
 local raw, ds = r[1], r[2]
-due = ds and ds + 0
+if ds ~= due_s then due_s, due_n = ds, num(ds) end -- read_due, inline
+due = due_n
 if not raw then
   reclaim_due(8, W, R)
   return done(0)
@@ -61,7 +62,9 @@ if nh == 1 and r[3] == r[4] and find(raw, key .. '\1', 31, true) == 31 and not (
     call('HDEL', K_STATE, jf)
     call('ZREM', K_WAITS, head)
     local woken = sub(head, kl + 21, z - 1)
-    local e = now + sub(head, z + 21, z + 30)
+    local lss = sub(head, z + 21, z + 30)
+    if lss ~= ls_s then ls_s, ls_n = lss, lss + 0 end -- lease_ms, inline
+    local e = now + ls_n
     local es = fmt('%d', e)
     call('ZADD', K_LEASES, es, woken)
     if not due or e < due then call('HSET', K_STATE, DUE, es) end

@@ -14,6 +14,6 @@ fields[nk + 1], fields[nk + 2] = DUE, READY
 local old = call('HMGET', K_STATE, unpack_(fields))
 if ARGV[1] == '1' and not old[nk + 2] then return {} end
 clock()
-due = num(old[nk + 1])
+read_due(old[nk + 1])
 store_limits(ARGV, 2, old, W)
 return W
