@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -74,3 +75,52 @@ class EngineBenchSmokeTest(RedisTestCase):
             call_command("bench", "engine", "--quick", "--redis-url", settings.REDIS_URL, stdout=io.StringIO())
         self.assertEqual(self.redis.get("precious"), b"1")
         self.assertEqual(self.redis.function_list(library="fqbench_trivial"), [])  # nothing loaded either
+
+    def test_ab_compares_lua_versions_on_the_same_data_and_unloads_them(self) -> None:
+        from fairqueue.engine.scripts import LUA_DIR, library
+
+        with tempfile.TemporaryDirectory() as tmp:
+            variant = Path(tmp) / "lua"
+            shutil.copytree(LUA_DIR, variant)
+            with (variant / "release_job.lua").open("a") as f:
+                f.write("-- a variant: any change makes another library version\n")
+            variant_name = library(variant).name
+            out = Path(tmp) / "ab.json"
+            for op in ("release", "admit"):
+                call_command(
+                    "bench",
+                    "engine-ab",
+                    "--lua",
+                    str(LUA_DIR),
+                    "--lua",
+                    str(variant),
+                    "--op",
+                    op,
+                    "--calls",
+                    "800",
+                    "--json",
+                    str(out),
+                    "--redis-url",
+                    settings.REDIS_URL,
+                    stdout=io.StringIO(),
+                )
+                data = json.loads(out.read_text())
+                self.assertEqual(data["operation"], op)
+                self.assertEqual([v["library"] for v in data["versions"]], [library().name, variant_name])
+                for row in data["versions"]:
+                    self.assertGreater(row["ratio"], 0)
+                    self.assertEqual(row["batches"], 2)  # 800 calls, 2 versions, batches of 200
+            self.assertEqual(self.redis.function_list(library=variant_name), [])  # the variant is unloaded
+            self.assertEqual(self.redis.dbsize(), 0)
+            with self.assertRaisesRegex(CommandError, "same Lua"):  # the same Lua twice compares nothing
+                call_command(
+                    "bench",
+                    "engine-ab",
+                    "--lua",
+                    str(LUA_DIR),
+                    "--lua",
+                    str(LUA_DIR),
+                    "--redis-url",
+                    settings.REDIS_URL,
+                    stdout=io.StringIO(),
+                )

@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -379,3 +380,75 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
     for warning in bench.warnings:
         log(f"  warning: {warning}")
     return result
+
+
+def run_ab(
+    url: str, lua_dirs: list[Path], operation: str = "release", calls: int = 40_000, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """A/B versions of the engine's Lua (``lua/`` directories) on the same data.
+
+    Engine changes worth a few percent drown in this VM's drift between two bench runs,
+    so each version is loaded as its own library (a library is named by a hash of its
+    source) and CHUNK-call batches of the versions alternate on one shared workload, each
+    batch's cost taken as a ratio to the trivial batch just before it. ``release``: one
+    holder and ``calls`` parked jobs on a limit-1 key, each hinted release handing the slot
+    on; ``admit``: one-key admits on ten keys that never fill. Every loaded library costs
+    each FCALL (the Lua GC marks it), so absolute ratios run higher than the main bench's;
+    the differences between versions are the figure. Variant libraries are deleted after.
+    """
+    if operation not in ("release", "admit"):
+        raise RuntimeError(f"unknown operation {operation!r}: release or admit")
+    with redis.Redis.from_url(url) as client:
+        size = client.dbsize()
+    if size:
+        raise RuntimeError(f"Refusing to benchmark: Redis at {url} holds {size} keys; point --redis-url at an empty db")
+    bench = Bench(url, Sizes(), log)
+    versions = [library(path.resolve()) for path in lua_dirs]
+    if len({v.name for v in versions}) != len(versions):
+        raise RuntimeError("two of the directories hold the same Lua: nothing to compare")
+    current = library().name
+    try:
+        bench.ensure_library()
+        for version in versions:
+            bench.client.function_load(version.source, replace=True)
+        if operation == "release":
+            first = bench.serial + 1
+            bench.pipelined(bench.admit_args({"h": 1}) for _ in range(calls + 1))
+            work = [
+                bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=["h"])) for i in range(calls)
+            ]
+        else:
+            work = [bench.admit_args({f"a{i % 10}": BIG}) for i in range(calls)]
+        ratios: dict[str, list[float]] = {v.name: [] for v in versions}
+        trivial = [bench.trivial_args()] * CHUNK
+        done = 0
+        while done + CHUNK * len(versions) <= len(work):
+            for version in versions:
+                name = version.function(f"{operation}_job")
+                batch = [("FCALL", name, *call[2:]) for call in work[done : done + CHUNK]]
+                done += CHUNK
+                base = bench.batch_us(trivial)
+                ratios[version.name].append(bench.batch_us(batch) / max(base, 1e-9))
+    finally:
+        bench.client.flushdb()
+        bench.client.function_delete(TRIVIAL_LIBRARY_NAME)
+        for version in versions:
+            if version.name != current:
+                bench.client.function_delete(version.name)
+    rows = [
+        {
+            "lua": str(path),
+            "library": v.name,
+            "ratio": statistics.median(ratios[v.name]),
+            "batches": len(ratios[v.name]),
+        }
+        for path, v in zip(lua_dirs, versions, strict=True)
+    ]
+    log(
+        f"{operation} with handoff, x trivial beside it (median over batches):"
+        if operation == "release"
+        else f"{operation}, x trivial beside it (median over batches):"
+    )
+    for row in rows:
+        log(f"  {row['lua']:<40} {row['ratio']:6.2f}x  ({row['batches']} batches of {CHUNK})")
+    return {"operation": operation, "versions": rows, "warnings": bench.warnings}

@@ -14,13 +14,19 @@ class Command(BaseCommand):
     help = "Run a FairQueue benchmark and print (and optionally write as JSON) its figures."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        subparsers = parser.add_subparsers(dest="bench", required=True, metavar="{engine,noisy,submit}")
+        subparsers = parser.add_subparsers(dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit}")
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
         engine.add_argument(
             "--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database (flushed afterwards)"
         )
         engine.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): shape, not figures")
+        ab = subparsers.add_parser("engine-ab", help="A/B versions of lua/ on the same data, alternating batches")
+        ab.add_argument("--lua", dest="lua_dirs", action="append", required=True, help="a lua/ directory (repeat)")
+        ab.add_argument("--op", dest="operation", choices=["release", "admit"], default="release")
+        ab.add_argument("--calls", type=int, default=40_000, help="calls in all, shared out between versions")
+        ab.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
+        ab.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database")
         from fairqueue.bench import noisy, submit
 
         noisy.add_arguments(subparsers.add_parser("noisy", help="noisy neighbour: fifo vs isolation vs fair"))
@@ -32,6 +38,19 @@ class Command(BaseCommand):
 
             try:
                 result = run(options["redis_url"], quick=options["quick"], log=self.stdout.write)
+            except RuntimeError as exc:
+                raise CommandError(str(exc)) from exc
+        elif options["bench"] == "engine-ab":
+            from fairqueue.bench.engine_bench import run_ab
+
+            try:
+                result = run_ab(
+                    options["redis_url"],
+                    [Path(d) for d in options["lua_dirs"]],
+                    options["operation"],
+                    options["calls"],
+                    log=self.stdout.write,
+                )
             except RuntimeError as exc:
                 raise CommandError(str(exc)) from exc
         elif options["bench"] in ("noisy", "submit"):
