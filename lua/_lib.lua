@@ -95,6 +95,11 @@ end
 -- a string-to-number conversion (strtod) on every call measured ~0.1x the trivial script
 -- each. Keyed by the string itself, so a stale entry can never give a wrong number.
 local due_s, due_n, ls_s, ls_n = false, nil, false, nil
+-- The strings a one-key release builds from its key (the limit's field name, the queue's
+-- lex range, the spec's keys part), for the last key released: consecutive releases hit
+-- the same key when it is busy, and a key with waiters is one. A miss costs one compare.
+-- Measured ~0.15x the trivial script saved on a busy key (bench engine-ab).
+local key_s, key_limit, key_lo, key_hi, key_spec = false, nil, nil, nil, nil
 
 -- Set `due` from the stored "\1due" string (false when missing).
 local function read_due(s)

@@ -23,7 +23,10 @@ local jf = '\2' .. job
 local key = ARGV[2]
 local r
 if nh == 1 then
-  r = call('HMGET', K_STATE, jf, DUE, key, '\0' .. key)
+  if key ~= key_s then -- the strings a one-key release builds from its key, remembered
+    key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
+  end
+  r = call('HMGET', K_STATE, jf, DUE, key, key_limit)
 else
   local fields = {jf, DUE}
   for a = 2, #ARGV do
@@ -39,13 +42,13 @@ if not raw then
   reclaim_due(8, W, R)
   return done(0)
 end
-if nh == 1 and r[3] == r[4] and find(raw, key .. '\1', 31, true) == 31 and not (due and due <= now) then
+if nh == 1 and r[3] == r[4] and find(raw, key_spec, 31, true) == 31 and not (due and due <= now) then
   -- The hot path of a busy key, written out: the hint is right (the spec's keys are
   -- exactly `key`), no lease is due and the key is at its limit (count == limit as stored
   -- strings), so a release hands the slot to the head waiter. Written out with no helper
   -- calls (a Lua call and a string.* call measured ~40-70 ns each) it measured ~0.5x the
   -- trivial script less than through drop/handoff/wake (A/B in one run, docs/engine.md).
-  local head = call('ZRANGEBYLEX', K_WAITS, '[' .. key .. '\0', '(' .. key .. '\1', 'LIMIT', '0', '1')[1]
+  local head = call('ZRANGEBYLEX', K_WAITS, key_lo, key_hi, 'LIMIT', '0', '1')[1]
   if not head then -- full and nobody waits, so the job is not parked here: it held the key
     call('HDEL', K_STATE, jf)
     call('ZREM', K_LEASES, job)
