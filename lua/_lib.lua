@@ -56,6 +56,8 @@ local touched -- a grant wrote counts of keys other than the one being handed on
 -- Woken and reclaimed job_id, data pairs of the current call. Reused (emptied by clock())
 -- rather than allocated per call: every table a call creates is measurable garbage.
 local W, R = {}, {}
+-- Pending writes of one drop: HSET field, value pairs and HDEL fields (reused likewise).
+local SETS, DELS = {}, {}
 
 -- Bind the globals, on the first call of each operation (every operation first takes the
 -- tag's KEYS into K_*, inline: see scripts.py).
@@ -240,8 +242,9 @@ end
 -- `full` says whether the key may have waiters at all: by the invariant only a key that
 -- was full (count >= limit) can, so a release on a key that had room skips the lookup.
 -- The count is written back once at the end (safe: a woken job only goes on to later
--- keys, never this one), so a release that hands its slot on writes no count at all.
-local function handoff(key, c, l, stored, woken, full)
+-- keys, never this one), so a release that hands its slot on writes no count at all; with
+-- `batch` it is appended to the pending writes of drop (see there) instead.
+local function handoff(key, c, l, stored, woken, full, batch)
   if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
     local klen = #key
@@ -258,7 +261,18 @@ local function handoff(key, c, l, stored, woken, full)
     end
   end
   if c ~= stored then
-    if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key) end
+    if batch then
+      if c > 0 then
+        SETS[#SETS + 1] = key
+        SETS[#SETS + 1] = int(c)
+      else
+        DELS[#DELS + 1] = key
+      end
+    elseif c > 0 then
+      call('HSET', K_STATE, key, int(c))
+    else
+      call('HDEL', K_STATE, key)
+    end
   end
   return c ~= stored
 end
@@ -292,17 +306,27 @@ local function free_held(job, raw, k, ko, woken, admitted, cl, co)
       local r = call('HMGET', K_STATE, key, '\0' .. key)
       c, l = num(r[1]) or 0, num(r[2]) or 0
     end
-    handoff(key, c - 1, l, c, woken, c >= l)
+    handoff(key, c - 1, l, c, woken, c >= l, true)
   end
 end
 
--- Remove a job entirely: its spec and lease, then free_held. `admitted` is looked up
--- (from the lease removal) when nil.
+-- Remove a job entirely: its lease, then free_held, then its spec. `admitted` is looked up
+-- (from the lease removal) when nil. The new counts of the keys it frees are written in
+-- one HSET at the end, and the spec goes in one HDEL with the counts that reached zero:
+-- a three-key release writes 2 commands instead of 4. Safe to defer: a job woken on a key
+-- only goes on to later keys, whose counts are still those in Redis (the keys are freed
+-- in order), and nothing else reads them before the end of the drop.
 local function drop(job, raw, k, ko, woken, admitted, cl, co)
-  call('HDEL', K_STATE, '\2' .. job)
+  for i = #SETS, 1, -1 do SETS[i] = nil end -- empty unless an earlier call failed midway
+  for i = #DELS, 2, -1 do DELS[i] = nil end
+  DELS[1] = '\2' .. job
   local removed = call('ZREM', K_LEASES, job)
   if admitted == nil then admitted = removed == 1 end
   free_held(job, raw, k, ko, woken, admitted, cl, co)
+  if #SETS > 0 then call('HSET', K_STATE, unpack_(SETS)) end
+  call('HDEL', K_STATE, unpack_(DELS))
+  for i = #SETS, 1, -1 do SETS[i] = nil end
+  for i = #DELS, 1, -1 do DELS[i] = nil end
 end
 
 -- Release up to `max` jobs whose lease ran out (earliest expiry first), appending them to

@@ -86,7 +86,7 @@ class EngineBenchSmokeTest(RedisTestCase):
                 f.write("-- a variant: any change makes another library version\n")
             variant_name = library(variant).name
             out = Path(tmp) / "ab.json"
-            for op in ("release", "admit"):
+            for op in ("release", "release3", "admit"):
                 call_command(
                     "bench",
                     "engine-ab",

@@ -62,6 +62,7 @@ BIG = 1_000_000_000  # a limit nobody reaches
 TARGETS = {"admit_ratio": 8.0, "release_ratio": 8.0, "admit3_ratio": 20.0, "scaling_spread": 1.5, "pairs_ratio": 0.4}
 
 
+AB_OPERATIONS = ("release", "release3", "admit")
 CHUNK = 200  # calls per measured batch; a trivial batch of the same size runs before each
 
 
@@ -392,12 +393,14 @@ def run_ab(
     source) and CHUNK-call batches of the versions alternate on one shared workload, each
     batch's cost taken as a ratio to the trivial batch just before it. ``release``: one
     holder and ``calls`` parked jobs on a limit-1 key, each hinted release handing the slot
-    on; ``admit``: one-key admits on ten keys that never fill. Every loaded library costs
+    on; ``release3``: hinted releases of three-key jobs on keys that never fill (the shape
+    of FairQueue's own jobs: tenant, shard, sub-tenant); ``admit``: one-key admits on ten
+    keys that never fill. Every loaded library costs
     each FCALL (the Lua GC marks it), so absolute ratios run higher than the main bench's;
     the differences between versions are the figure. Variant libraries are deleted after.
     """
-    if operation not in ("release", "admit"):
-        raise RuntimeError(f"unknown operation {operation!r}: release or admit")
+    if operation not in AB_OPERATIONS:
+        raise RuntimeError(f"unknown operation {operation!r}: one of {', '.join(AB_OPERATIONS)}")
     with redis.Redis.from_url(url) as client:
         size = client.dbsize()
     if size:
@@ -417,6 +420,14 @@ def run_ab(
             work = [
                 bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=["h"])) for i in range(calls)
             ]
+        elif operation == "release3":
+            first = bench.serial + 1
+            keys = [{f"x{i % 10}": BIG, f"y{i % 10}": BIG, f"z{i % 10}": BIG} for i in range(calls)]
+            bench.pipelined(bench.admit_args(k) for k in keys)
+            work = [
+                bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=sorted(keys[i])))
+                for i in range(calls)
+            ]
         else:
             work = [bench.admit_args({f"a{i % 10}": BIG}) for i in range(calls)]
         ratios: dict[str, list[float]] = {v.name: [] for v in versions}
@@ -424,7 +435,7 @@ def run_ab(
         done = 0
         while done + CHUNK * len(versions) <= len(work):
             for version in versions:
-                name = version.function(f"{operation}_job")
+                name = version.function("admit_job" if operation == "admit" else "release_job")
                 batch = [("FCALL", name, *call[2:]) for call in work[done : done + CHUNK]]
                 done += CHUNK
                 base = bench.batch_us(trivial)
@@ -444,11 +455,7 @@ def run_ab(
         }
         for path, v in zip(lua_dirs, versions, strict=True)
     ]
-    log(
-        f"{operation} with handoff, x trivial beside it (median over batches):"
-        if operation == "release"
-        else f"{operation}, x trivial beside it (median over batches):"
-    )
+    log(f"{operation}, x trivial beside it (median over batches):")
     for row in rows:
         log(f"  {row['lua']:<40} {row['ratio']:6.2f}x  ({row['batches']} batches of {CHUNK})")
     return {"operation": operation, "versions": rows, "warnings": bench.warnings}
