@@ -9,13 +9,17 @@
 --
 -- KEYS (identical for every operation, all under one `{tag}` hash slot, see keys.py):
 --   1 state  HASH  key -> holders (field deleted at 0) | "\0"..key -> last limit passed
---                  | "\2"..job -> spec (layout below) | "\1seq" -> arrival counter
---                  | "\1ready" -> 1 once init_tag ran | "\1due" -> lower bound of every
---                  lease expiry in `leases` (absent when there are none)
+--                  while the key is in use (deleted with the count when it goes idle)
+--                  | "\2"..job -> spec (layout below) | "\3"..job -> the limits its admit
+--                  passed, "l1\0l2..." (a multi-key job parked before its last key: when
+--                  it goes on to a later key that went idle meanwhile, it brings its limit)
+--                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
+--                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
+--                  when there are none)
 --   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0)
 --   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
--- Key names contain none of \0 \1 \2 and job ids no \0, so the field kinds of `state` never
+-- Key names contain none of \0 \1 \2 \3 and job ids no \0, so the field kinds of `state` never
 -- collide and one HMGET reads a job's spec, its keys' counts and limits and the meta fields.
 -- Spec: one string with a fixed-width header, so a state change rewrites the header and
 -- reuses the rest verbatim, and the hot paths read single bytes instead of decoding
@@ -30,7 +34,9 @@
 -- spec, so a handoff reads nothing but the queue head. Holders of a key are not indexed
 -- (inspect scans the jobs: O(state), dashboards/tests only).
 -- Invariant kept by every operation: if a key has waiters then count >= limit, so a
--- newcomer only checks count < limit and cannot barge.
+-- newcomer only checks count < limit and cannot barge. A key with holders or waiters has
+-- a stored limit; an idle key has none (so the tag's hash does not keep one field per key
+-- ever used), and the next job to use it brings its own.
 --
 -- Numbers cross into Redis as strings made here (int, ms) and come back through num: a
 -- Lua number passed to redis.call is printed with "%.17g" and tonumber() parses a string
@@ -192,11 +198,27 @@ local function lease(job, ls)
   end
 end
 
--- Park the job on its n-th key (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten.
-local function park(job, spec, n)
+-- Park the job on its n-th key (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten;
+-- `lim`, when given, is the key's limit to store (it had none: it was idle).
+local function park(job, spec, n, lim)
   local raw = spec_raw(n, spec.nk, spec.ip, fmt('%016x', call('HINCRBY', K_STATE, SEQ, 1)), spec.tail)
-  call('ZADD', K_WAITS, 0, wait_member(spec.k[n], raw, job))
-  call('HSET', K_STATE, '\2' .. job, raw)
+  local key = spec.k[n]
+  call('ZADD', K_WAITS, 0, wait_member(key, raw, job))
+  if lim then
+    call('HSET', K_STATE, '\2' .. job, raw, '\0' .. key, lim)
+  else
+    call('HSET', K_STATE, '\2' .. job, raw)
+  end
+end
+
+-- The limit `job` passed at admission for its i-th key (its "\3" record), as a string.
+local function own_limit(job, i)
+  local all = call('HGET', K_STATE, '\3' .. job)
+  if not all then return '0' end -- no record (a state older than the record): park
+  local pos = 1
+  for _ = 2, i do pos = find(all, '\0', pos, true) + 1 end
+  local z = find(all, '\0', pos, true)
+  return sub(all, pos, z and z - 1 or #all)
 end
 
 -- A job that holds keys 1..n-1 goes on to take the rest while they have room, parking on
@@ -208,11 +230,17 @@ local function grant_rest(job, spec, n)
     local key = k[i]
     local r = call('HMGET', K_STATE, key, '\0' .. key)
     local c = num(r[1]) or 0
-    if c >= (num(r[2]) or 0) then
-      park(job, spec, i)
+    local stored = r[2]
+    local lim = stored or own_limit(job, i) -- an idle key (no holders) forgot its limit
+    if c >= num(lim) then
+      park(job, spec, i, not stored and lim)
       return false
     end
-    call('HSET', K_STATE, key, int(c + 1))
+    if stored then
+      call('HSET', K_STATE, key, int(c + 1))
+    else
+      call('HSET', K_STATE, key, int(c + 1), '\0' .. key, lim)
+    end
     touched = true
   end
   lease(job, spec.ls)
@@ -243,7 +271,10 @@ end
 -- was full (count >= limit) can, so a release on a key that had room skips the lookup.
 -- The count is written back once at the end (safe: a woken job only goes on to later
 -- keys, never this one), so a release that hands its slot on writes no count at all; with
--- `batch` it is appended to the pending writes of drop (see there) instead.
+-- `batch` it is appended to the pending writes of drop (see there) instead. A key left
+-- with no holder and a limit above 0 has nobody waiting (the loop found no head, or it had
+-- room before): it is idle and its limit goes with its count. (Waiters of a limit-0 key
+-- keep theirs.)
 local function handoff(key, c, l, stored, woken, full, batch)
   if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
@@ -267,9 +298,12 @@ local function handoff(key, c, l, stored, woken, full, batch)
         SETS[#SETS + 1] = int(c)
       else
         DELS[#DELS + 1] = key
+        if l > 0 then DELS[#DELS + 1] = '\0' .. key end
       end
     elseif c > 0 then
       call('HSET', K_STATE, key, int(c))
+    elseif l > 0 then
+      call('HDEL', K_STATE, key, '\0' .. key)
     else
       call('HDEL', K_STATE, key)
     end
@@ -320,6 +354,7 @@ local function drop(job, raw, k, ko, woken, admitted, cl, co)
   for i = #SETS, 1, -1 do SETS[i] = nil end -- empty unless an earlier call failed midway
   for i = #DELS, 2, -1 do DELS[i] = nil end
   DELS[1] = '\2' .. job
+  if byte(raw, 2) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
   local removed = call('ZREM', K_LEASES, job)
   if admitted == nil then admitted = removed == 1 end
   free_held(job, raw, k, ko, woken, admitted, cl, co)

@@ -7,7 +7,10 @@
 -- Does, atomically: reclaim up to 8 expired leases; if job_id is known, nothing more
 -- (idempotent re-delivery: its current state is returned); else store each changed limit
 -- and hand on where a raised limit made room (before the newcomer competes: no barging);
--- then take the keys in order, parking on the first full one.
+-- then take the keys in order, parking on the first full one. An idle key has no stored
+-- limit: this job's is stored with the grant (in the same HSET) for the keys it takes or
+-- parks on; a job parked before its last key also stores the limits it passed ("\3"..job),
+-- to bring to later keys that may be idle by the time it gets there.
 -- Returns: 1 when admitted with nothing else to report; otherwise
 --          {admitted 1|0, parked key or "", position (1-based, 0 if admitted), duplicate 1|0,
 --           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
@@ -31,20 +34,26 @@ if known then -- idempotent re-delivery: report where the job is
   local key = spec.k[spec.n]
   return reply({0, key, position(key, known, job), 1, 0}, W, R)
 end
--- Limits: the common case is "unchanged" (string compare, nothing written).
+-- Limits: the common case is "unchanged" (string compare, nothing written). A stored limit
+-- that differs is stored now (and a raise hands on); a missing one (an idle key) with the
+-- grant below.
 local changed = false
 for i = 1, nk do
-  if r[2 * i] ~= ARGV[5 + 2 * i] then changed = true end
+  local stored = r[2 * i]
+  if stored and stored ~= ARGV[5 + 2 * i] then changed = true end
 end
+local r0 = r
 if changed then
   local old = {}
-  for i = 1, nk do old[i] = r[2 * i] end
+  for i = 1, nk do old[i] = r[2 * i] or ARGV[5 + 2 * i] end -- missing: not stored here
   if store_limits(ARGV, 6, old, W) then r = admit_read(ARGV, nk, jf) end
 end
--- Count the keys that have room (count < limit), in order.
+-- Count the keys that have room (count < limit), in order. A key's limit now is the one
+-- passed (stored, or about to be), unless the key was idle and a job woken just above took
+-- it with its own.
 local n = 1
 while n <= nk do
-  if (num(r[2 * n - 1]) or 0) >= num(ARGV[5 + 2 * n]) then break end
+  if (num(r[2 * n - 1]) or 0) >= num((not r0[2 * n] and r[2 * n]) or ARGV[5 + 2 * n]) then break end
   n = n + 1
 end
 local ls = ARGV[3]
@@ -61,7 +70,7 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
   local es = fmt('%d', e)
   local raw = spec_raw(nk + 1, nk, ip_of(ARGV[2]), NOSEQ, tail)
   local lower = not due or e < due
-  if nk == 1 then
+  if nk == 1 and r[2] then
     if lower then
       call('HSET', K_STATE, ARGV[6], int((num(r[1]) or 0) + 1), jf, raw, DUE, es)
     else
@@ -70,11 +79,16 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
   else
     local set = {}
     for i = 1, nk do
-      set[2 * i - 1] = ARGV[4 + 2 * i]
-      set[2 * i] = int((num(r[2 * i - 1]) or 0) + 1)
+      local key = ARGV[4 + 2 * i]
+      set[#set + 1] = key
+      set[#set + 1] = int((num(r[2 * i - 1]) or 0) + 1)
+      if not r[2 * i] then -- an idle key: its limit is now this job's
+        set[#set + 1] = '\0' .. key
+        set[#set + 1] = ARGV[5 + 2 * i]
+      end
     end
-    set[2 * nk + 1], set[2 * nk + 2] = jf, raw
-    if lower then set[2 * nk + 3], set[2 * nk + 4] = DUE, es end
+    set[#set + 1], set[#set + 2] = jf, raw
+    if lower then set[#set + 1], set[#set + 2] = DUE, es end
     call('HSET', K_STATE, unpack_(set))
   end
   call('ZADD', K_LEASES, es, job)
@@ -85,9 +99,21 @@ end
 local seq = (num(r[f_job + 2]) or 0) + 1
 local raw = spec_raw(n, nk, ip_of(ARGV[2]), fmt('%016x', seq), tail)
 local set = {}
-for i = 1, n - 1 do
-  set[2 * i - 1] = ARGV[4 + 2 * i]
-  set[2 * i] = int((num(r[2 * i - 1]) or 0) + 1)
+for i = 1, n do
+  local key = ARGV[4 + 2 * i]
+  if i < n then
+    set[#set + 1] = key
+    set[#set + 1] = int((num(r[2 * i - 1]) or 0) + 1)
+  end
+  if not r[2 * i] then -- an idle key (or a new one): its limit is now this job's
+    set[#set + 1] = '\0' .. key
+    set[#set + 1] = ARGV[5 + 2 * i]
+  end
+end
+if n < nk then -- it will go on to later keys: keep the limits it passed
+  local lims = {}
+  for i = 1, nk do lims[i] = ARGV[5 + 2 * i] end
+  set[#set + 1], set[#set + 2] = '\3' .. job, table.concat(lims, '\0')
 end
 set[#set + 1], set[#set + 2] = jf, raw
 set[#set + 1], set[#set + 2] = SEQ, fmt('%d', seq)

@@ -5,7 +5,8 @@
 -- Checks: each key's count equals the holders its jobs' specs imply (an admitted job,
 -- i.e. one with a lease, holds all its keys; a parked one keys 1..n-1 and has its wait
 -- entry, which carries its current spec); every wait entry belongs to a parked job; no
--- key with waiters has room (count < limit); every lease belongs to a job; "\1due" is at
+-- key with waiters has room (count < limit); every key with holders or waiters has a
+-- limit; every lease and every limits record ("\3"..job) belongs to a job; "\1due" is at
 -- most the earliest lease expiry (and present whenever a lease is).
 -- Returns: {problem description, ...} (empty when consistent)
 local problems = {}
@@ -19,7 +20,7 @@ for i = 1, #leases, 2 do
   if not earliest or e < earliest then earliest = e end
 end
 local fields = call('HGETALL', K_STATE)
-local specs, counts, limits, meta = {}, {}, {}, {}
+local specs, counts, limits, meta, records = {}, {}, {}, {}, {}
 for i = 1, #fields, 2 do
   local f, v = fields[i], fields[i + 1]
   local b = byte(f, 1)
@@ -29,6 +30,8 @@ for i = 1, #fields, 2 do
     meta[f] = v
   elseif b == 2 then
     specs[sub(f, 2)] = v
+  elseif b == 3 then
+    records[sub(f, 2)] = v
   else
     counts[f] = tonumber(v)
     if tonumber(v) <= 0 then bad('non-positive count on ' .. f) end
@@ -54,6 +57,9 @@ end
 for job, _ in pairs(admitted) do
   if not specs[job] then bad('lease without job ' .. job) end
 end
+for job, _ in pairs(records) do
+  if not specs[job] then bad('limits record without job ' .. job) end
+end
 if earliest then
   local d = tonumber(meta[DUE])
   if not d then bad('leases without due') elseif d > earliest then bad('due after the earliest lease') end
@@ -63,6 +69,7 @@ for key, c in pairs(counts) do
 end
 for key, c in pairs(holders) do
   if not counts[key] then bad('holds without count on ' .. key .. ' ' .. c) end
+  if not limits[key] then bad('holders without limit on ' .. key) end
 end
 local waiters = {}
 for _, m in ipairs(call('ZRANGE', K_WAITS, 0, -1)) do

@@ -5,7 +5,7 @@
 -- scanning the tag's jobs, O(jobs of the tag). Waiters per priority cost O(log n) per
 -- priority present (a ZLEXCOUNT per priority band of the key's queue).
 -- Without the holder list the call is O(log n) (the count is a field of `state`).
--- Returns: {limit (-1 if never set), holders {job_id, ...} (sorted; empty unless listed), waiters per priority
+-- Returns: {limit (-1 if none: never set, or the key is idle), holders {job_id, ...} (sorted; empty unless listed), waiters per priority
 --           {priority, count, ...} (highest priority first), total waiters, holder count}
 local key = ARGV[1]
 local r = call('HMGET', K_STATE, key, '\0' .. key)

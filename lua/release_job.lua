@@ -53,8 +53,8 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, 31, true) == 31 and not (due
     call('HDEL', K_STATE, jf)
     call('ZREM', K_LEASES, job)
     local c = (num(r[3]) or 0) - 1
-    if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key) end
-    return 1
+    if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key, key_limit) end
+    return 1 -- (at 0 it is idle: its limit goes too, see handoff)
   end
   -- The head's wait entry: key \0 <18 bytes> \0 job \0 spec; spec byte 2 = its key count.
   local kl = #key

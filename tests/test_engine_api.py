@@ -317,7 +317,42 @@ class EngineBehaviour(RedisTestCase):
         self.e.release(tag=T, job_id="a")
         self.assertEqual(stored_kinds(self.e.client), {"state", "clock"})  # no waiters or leases left
         fields = set(self.e.client.hkeys(tag_keys("fq", T)[0]))
-        self.assertEqual({f for f in fields if f[:1] != b"\1"}, {b"\0x", b"\0y"})  # only the limits (and meta)
+        self.assertEqual({f for f in fields if f[:1] != b"\1"}, set())  # idle keys forget their limits too
+
+    def test_idle_keys_keep_no_fields_and_a_parked_job_brings_its_own_limit(self) -> None:
+        """A tag's hash holds nothing for a key nobody holds or waits on, however many keys
+        were ever used (a customer naming a sub-tenant per job must not grow it)."""
+        state_key = tag_keys("fq", T)[0]
+        for i in range(50):
+            self.admit(f"j{i}", {f"sub:{i}": 1 if i % 2 else 3})  # odd: the hinted hot path
+            self.e.release(tag=T, job_id=f"j{i}", keys=[f"sub:{i}"] if i % 2 else None)
+        self.assertEqual({f for f in self.e.client.hkeys(state_key) if f[:1] != b"\1"}, set())
+        # A limit-0 key keeps its limit while jobs wait on it (they are not idle).
+        self.assertFalse(self.admit("z", {"zero": 0}).admitted)
+        self.assertEqual(self.e.inspect_key(tag=T, key="zero").limit, 0)
+        # j parks on "a" holding nothing; "b" is used by others meanwhile and goes idle, so
+        # its limit is forgotten; when j is woken it takes "b" with the limit it passed.
+        self.admit("ha", {"a": 1})
+        self.assertFalse(self.admit("j", {"a": 1, "b": 2}).admitted)
+        self.admit("hb", {"b": 7})
+        self.e.release(tag=T, job_id="hb")
+        self.assertIsNone(self.e.inspect_key(tag=T, key="b").limit)
+        self.assertEqual(self.e.release(tag=T, job_id="ha").woken, [Woken("j", "d-j")])
+        self.assertEqual(self.e.inspect_key(tag=T, key="b").limit, 2)
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="j").held_keys, ["a", "b"])
+        # ... and parks on a later key with its own limit when that one is idle at 0.
+        self.admit("hc", {"c": 1})
+        self.assertFalse(self.admit("k", {"c": 1, "d": 0}).admitted)  # parks on c, holding nothing
+        self.e.release(tag=T, job_id="hc")  # k takes c, then parks on d (limit 0, its own)
+        state = self.e.inspect_job(tag=T, job_id="k")
+        self.assertEqual((state.held_keys, state.parked_on), (["c"], "d"))
+        self.assertEqual(self.e.inspect_key(tag=T, key="d").limit, 0)
+        self.assertEqual([w.job_id for w in self.e.set_limits(tag=T, limits={"d": 1})], ["k"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        for job in ("j", "k", "z"):
+            self.e.cancel(tag=T, job_id=job) if job == "z" else self.e.release(tag=T, job_id=job)
+        # Left: the limit-0 key's limit (its waiter was cancelled, which frees no room).
+        self.assertEqual({f for f in self.e.client.hkeys(state_key) if f[:1] != b"\1"}, {b"\0zero"})
 
     def test_require_ready_admits_nothing_until_the_tag_is_initialised(self) -> None:
         # A fresh (or flushed) tag is not ready: a guarded admit stores nothing at all.

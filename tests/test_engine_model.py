@@ -32,6 +32,7 @@ class MJob:
     running: bool = False
     expired: bool = False
     seq: int = 0
+    limits: dict[str, int] = field(default_factory=dict)  # as its admit passed them
 
 
 @dataclass
@@ -70,7 +71,9 @@ class Model:
         job = self.jobs[job_id]
         while job.n < len(job.keys):
             key = job.keys[job.n]
-            if self._count(key) >= self.limits.get(key, 0):
+            # An idle key has forgotten its limit: the job brings the one its admit passed.
+            self.limits.setdefault(key, job.limits[key])
+            if self._count(key) >= self.limits[key]:
                 self.seq += 1
                 job.seq = self.seq
                 job.running = False
@@ -99,6 +102,8 @@ class Model:
         for key in job.keys[: job.n]:
             self.holders[key].discard(job_id)
             self._handoff(key, woken)
+            if not self._count(key) and self.limits[key] > 0:  # idle (nobody can wait): forgotten
+                del self.limits[key]
 
     def _reclaim(self, max_jobs: int, woken: list[Pair], reclaimed: list[Pair]) -> None:
         # expire_now gives every expired lease the score 0: Redis then orders by member.
@@ -130,8 +135,10 @@ class Model:
         if job_id in self.jobs:
             res.duplicate = True
             return self._state(job_id, res)
-        self._store_limits(limits, res.woken)
-        self.jobs[job_id] = MJob(sorted(limits), priority, data)
+        # Changed limits of keys in use are stored (a raise hands on first); an idle key's
+        # limit is stored when the job takes or parks on it (_grant).
+        self._store_limits({k: v for k, v in limits.items() if k in self.limits}, res.woken)
+        self.jobs[job_id] = MJob(sorted(limits), priority, data, limits=dict(limits))
         self._grant(job_id)
         return self._state(job_id, res)
 

@@ -27,7 +27,7 @@ KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases", "clock")
 
 #: Version of the data layout (field kinds, spec and wait-entry formats) in lua/_lib.lua.
 #: Bump it with any change to them.
-LAYOUT = 3
+LAYOUT = 4
 
 
 def validate_tag(tag: str) -> None:

@@ -74,8 +74,8 @@ def _check_job_id(job_id: str) -> str:
 def _check_key_name(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"key names must be non-empty strings, got {name!r}")
-    if "\0" in name or "\1" in name or "\2" in name:
-        raise ValueError(f"key names must not contain \\0, \\1 or \\2: {name!r}")
+    if any(c in name for c in "\0\1\2\3"):
+        raise ValueError(f"key names must not contain \\0, \\1, \\2 or \\3: {name!r}")
     return name
 
 

@@ -73,7 +73,8 @@ class ReclaimResult:
 
 @dataclass(frozen=True)
 class KeyState:
-    """A key as dashboards see it. ``limit`` is None if no caller ever passed one;
+    """A key as dashboards see it. ``limit`` is None while the key is idle (no holders, no
+    waiters: it forgets its limit, and the next job to use it brings one) or was never used;
     ``waiters_by_priority`` maps priority -> parked count (highest first). ``holders`` is
     only filled when asked for (``inspect_key(holders=True)``, the default); ``held`` is
     the holder count either way."""
