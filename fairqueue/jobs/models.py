@@ -20,11 +20,6 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 WAITING_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED})
 
 
-def engine_id_of(job_id: object, generation: int) -> str:
-    """The engine's name for one delivery of a job (see Job.engine_id)."""
-    return f"{job_id}.{generation}"
-
-
 class Job(models.Model):
     """One submitted job. `generation` changes on every re-delivery, so stale messages lose."""
 
@@ -77,7 +72,7 @@ class Job(models.Model):
     @property
     def engine_id(self) -> str:
         """The engine's name for this delivery: a re-delivered job is a new holder."""
-        return engine_id_of(self.id, self.generation)
+        return f"{self.id}.{self.generation}"
 
 
 class LedgerEntry(models.Model):

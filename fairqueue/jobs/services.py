@@ -31,8 +31,8 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, payloads, stats
-from fairqueue.jobs.admission import admission_plan, key_names, shard_tag
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus, engine_id_of
+from fairqueue.jobs.admission import admission_plan, key_names
+from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import JobContext, task_get
 from fairqueue.jobs.runtime import engine, queue_name
 from tenants.limits import idle_shares
@@ -508,20 +508,18 @@ active_leases = ActiveLeases()
 def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     """Run one delivery of a job; returns what happened (for logs and tests)."""
     waiting = [JobStatus.QUEUED, JobStatus.PARKED]
-    shard = (
-        Job.objects.filter(id=job_id, generation=generation, status__in=waiting)
-        .values_list("tenant__shard__name", flat=True)
-        .first()
+    job = (
+        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
     )
-    if shard is None:
+    if job is None:
         return "skipped"  # stale generation, cancelled, or already run: the guard that makes it once
-    tag = shard_tag(shard)
+    tag = _tag_of(job)
     # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a
     # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
     lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
-    if not engine().renew(tag=tag, job_id=engine_id_of(job_id, generation), lease_seconds=lease):
+    if not engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease):
         # The hold was reclaimed before we started (the dispatch lease ran out): the job has
         # been or will be re-delivered under a new generation.
         return "lost"
@@ -535,7 +533,9 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     )
     if not claimed:
         return "skipped"  # claimed by another delivery in between: it renews the hold itself
-    job = Job.objects.select_related("tenant__shard").get(id=job_id)
+    # The row is as read above (the claim's filter guarantees it) but for what the claim set;
+    # the task reads its attempt number.
+    job.attempts += 1
     active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
     outcome = "succeeded"
     fields: dict[str, Any] = {}
