@@ -214,7 +214,7 @@ end
 -- The limit `job` passed at admission for its i-th key (its "\3" record), as a string.
 local function own_limit(job, i)
   local all = call('HGET', K_STATE, '\3' .. job)
-  if not all then return '0' end -- no record (a state older than the record): park
+  if not all then return '0' end -- only a damaged state lacks it: park there (audit flags it)
   local pos = 1
   for _ = 2, i do pos = find(all, '\0', pos, true) + 1 end
   local z = find(all, '\0', pos, true)
@@ -347,11 +347,11 @@ end
 -- Remove a job entirely: its lease, then free_held, then its spec. `admitted` is looked up
 -- (from the lease removal) when nil. The new counts of the keys it frees are written in
 -- one HSET at the end, and the spec goes in one HDEL with the counts that reached zero:
--- a three-key release writes 2 commands instead of 4. Safe to defer: a job woken on a key
+-- a three-key release writes its hash in 2 commands instead of 4. Safe to defer: a job woken on a key
 -- only goes on to later keys, whose counts are still those in Redis (the keys are freed
 -- in order), and nothing else reads them before the end of the drop.
 local function drop(job, raw, k, ko, woken, admitted, cl, co)
-  for i = #SETS, 1, -1 do SETS[i] = nil end -- empty unless an earlier call failed midway
+  for i = #SETS, 1, -1 do SETS[i] = nil end -- emptied here, not after: one place to clear
   for i = #DELS, 2, -1 do DELS[i] = nil end
   DELS[1] = '\2' .. job
   if byte(raw, 2) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
@@ -360,8 +360,6 @@ local function drop(job, raw, k, ko, woken, admitted, cl, co)
   free_held(job, raw, k, ko, woken, admitted, cl, co)
   if #SETS > 0 then call('HSET', K_STATE, unpack_(SETS)) end
   call('HDEL', K_STATE, unpack_(DELS))
-  for i = #SETS, 1, -1 do SETS[i] = nil end
-  for i = #DELS, 1, -1 do DELS[i] = nil end
 end
 
 -- Release up to `max` jobs whose lease ran out (earliest expiry first), appending them to

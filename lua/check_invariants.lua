@@ -6,7 +6,8 @@
 -- i.e. one with a lease, holds all its keys; a parked one keys 1..n-1 and has its wait
 -- entry, which carries its current spec); every wait entry belongs to a parked job; no
 -- key with waiters has room (count < limit); every key with holders or waiters has a
--- limit; every lease and every limits record ("\3"..job) belongs to a job; "\1due" is at
+-- limit; every lease and every limits record ("\3"..job) belongs to a job, and a job
+-- parked before its last key has its record; "\1due" is at
 -- most the earliest lease expiry (and present whenever a lease is).
 -- Returns: {problem description, ...} (empty when consistent)
 local problems = {}
@@ -47,6 +48,7 @@ for job, raw in pairs(specs) do
     if spec.n > #spec.k then
       bad('parked job past its last key ' .. job)
     else
+      if spec.n < #spec.k and not records[job] then bad('parked job without its limits record ' .. job) end
       local m = wait_member(spec.k[spec.n], raw, job)
       members[m] = true
       if not call('ZSCORE', K_WAITS, m) then bad('missing wait ' .. job) end

@@ -18,6 +18,10 @@ from tests.base import RedisTestCase
 
 
 class EngineBenchSmokeTest(RedisTestCase):
+    def bench(self, *args: str) -> None:
+        """`manage.py bench ARGS` against the test database, output discarded."""
+        call_command("bench", *args, "--redis-url", settings.REDIS_URL, stdout=io.StringIO())
+
     def test_quick_run_writes_the_documented_json(self) -> None:
         stale = "fairqueue_0000000000bb"  # another code version's library, left loaded
         self.redis.function_load(
@@ -27,16 +31,7 @@ class EngineBenchSmokeTest(RedisTestCase):
         self.addCleanup(self.redis.function_delete, stale)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "bench.json"
-            call_command(
-                "bench",
-                "engine",
-                "--quick",
-                "--json",
-                str(path),
-                "--redis-url",
-                settings.REDIS_URL,
-                stdout=io.StringIO(),
-            )
+            self.bench("engine", "--quick", "--json", str(path))
             data = json.loads(path.read_text())
         for key in [
             "trivial_server_us",
@@ -72,7 +67,7 @@ class EngineBenchSmokeTest(RedisTestCase):
     def test_refuses_a_non_empty_database(self) -> None:
         redis.Redis.from_url(settings.REDIS_URL).set("precious", "1")
         with self.assertRaises(CommandError):
-            call_command("bench", "engine", "--quick", "--redis-url", settings.REDIS_URL, stdout=io.StringIO())
+            self.bench("engine", "--quick")
         self.assertEqual(self.redis.get("precious"), b"1")
         self.assertEqual(self.redis.function_list(library="fqbench_trivial"), [])  # nothing loaded either
 
@@ -87,8 +82,7 @@ class EngineBenchSmokeTest(RedisTestCase):
             variant_name = library(variant).name
             out = Path(tmp) / "ab.json"
             for op in ("release", "release3", "admit"):
-                call_command(
-                    "bench",
+                self.bench(
                     "engine-ab",
                     "--lua",
                     str(LUA_DIR),
@@ -100,9 +94,6 @@ class EngineBenchSmokeTest(RedisTestCase):
                     "800",
                     "--json",
                     str(out),
-                    "--redis-url",
-                    settings.REDIS_URL,
-                    stdout=io.StringIO(),
                 )
                 data = json.loads(out.read_text())
                 self.assertEqual(data["operation"], op)
@@ -113,14 +104,4 @@ class EngineBenchSmokeTest(RedisTestCase):
             self.assertEqual(self.redis.function_list(library=variant_name), [])  # the variant is unloaded
             self.assertEqual(self.redis.dbsize(), 0)
             with self.assertRaisesRegex(CommandError, "same Lua"):  # the same Lua twice compares nothing
-                call_command(
-                    "bench",
-                    "engine-ab",
-                    "--lua",
-                    str(LUA_DIR),
-                    "--lua",
-                    str(LUA_DIR),
-                    "--redis-url",
-                    settings.REDIS_URL,
-                    stdout=io.StringIO(),
-                )
+                self.bench("engine-ab", "--lua", str(LUA_DIR), "--lua", str(LUA_DIR))

@@ -330,13 +330,18 @@ def run_loop(url: str, seconds: float, worker: int) -> tuple[int, float, float]:
     return count, trivial_s, pairs_s
 
 
-def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every phase; returns the figures (also the JSON written by the command)."""
-    sizes = Sizes.quick() if quick else Sizes()
+def require_empty(url: str) -> None:
+    """The benches flush their database afterwards: refuse one that holds anything."""
     with redis.Redis.from_url(url) as client:
         size = client.dbsize()
     if size:
         raise RuntimeError(f"Refusing to benchmark: Redis at {url} holds {size} keys; point --redis-url at an empty db")
+
+
+def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every phase; returns the figures (also the JSON written by the command)."""
+    sizes = Sizes.quick() if quick else Sizes()
+    require_empty(url)
     bench = Bench(url, sizes, log)
     try:
         log(f"FairQueue engine benchmark against {url}{' (quick)' if quick else ''}")
@@ -401,10 +406,7 @@ def run_ab(
     """
     if operation not in AB_OPERATIONS:
         raise RuntimeError(f"unknown operation {operation!r}: one of {', '.join(AB_OPERATIONS)}")
-    with redis.Redis.from_url(url) as client:
-        size = client.dbsize()
-    if size:
-        raise RuntimeError(f"Refusing to benchmark: Redis at {url} holds {size} keys; point --redis-url at an empty db")
+    require_empty(url)
     bench = Bench(url, Sizes(), log)
     versions = [library(path.resolve()) for path in lua_dirs]
     if len({v.name for v in versions}) != len(versions):

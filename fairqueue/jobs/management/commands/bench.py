@@ -9,6 +9,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fairqueue.bench.engine_bench import AB_OPERATIONS
+
 
 class Command(BaseCommand):
     help = "Run a FairQueue benchmark and print (and optionally write as JSON) its figures."
@@ -23,7 +25,7 @@ class Command(BaseCommand):
         engine.add_argument("--quick", action="store_true", help="tiny sizes (smoke test): shape, not figures")
         ab = subparsers.add_parser("engine-ab", help="A/B versions of lua/ on the same data, alternating batches")
         ab.add_argument("--lua", dest="lua_dirs", action="append", required=True, help="a lua/ directory (repeat)")
-        ab.add_argument("--op", dest="operation", choices=["release", "release3", "admit"], default="release")
+        ab.add_argument("--op", dest="operation", choices=AB_OPERATIONS, default="release")
         ab.add_argument("--calls", type=int, default=40_000, help="calls in all, shared out between versions")
         ab.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
         ab.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database")
