@@ -47,9 +47,9 @@ from django.db.models import BooleanField, Case, Count, Min, Q, Value, When
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
-from fairqueue.jobs.worker import fleet_read
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 BATCH_CLASS = "batch"  # pseudo-class of the batch lane in the grid

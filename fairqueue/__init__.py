@@ -1,5 +1,6 @@
-"""FairQueue: fair, throttled multi-tenant job scheduling on a shared Celery pool."""
+"""FairQueue: fair, throttled multi-tenant job scheduling on a shared Celery pool.
 
-from fairqueue.celery import app as celery_app
-
-__all__ = ["celery_app"]
+The Celery application lives in `fairqueue.celery` (`celery -A fairqueue` finds it there).
+It is not imported here, so `import fairqueue.engine`, the standalone throttle library,
+pulls in neither Celery nor Django.
+"""

@@ -32,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
 
 from fairqueue.jobs.api import api
 from fairqueue.jobs.models import Job, JobStatus
-from fairqueue.jobs.services import JobRequest, job_submit
+from fairqueue.jobs.submission import JobRequest, job_submit
 from fairqueue.wsgi import application
 from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase

@@ -12,7 +12,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from fairqueue.asgi import application
-from fairqueue.jobs.services import JobRequest, job_submit
+from fairqueue.jobs.submission import JobRequest, job_submit
 from tests.base import RedisTransactionTestCase
 from tests.factories import make_tenant
 from tests.test_dashboard_snapshot import assert_snapshot_shape

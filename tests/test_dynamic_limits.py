@@ -10,10 +10,10 @@ from django.test import Client
 from django.utils import timezone
 
 from fairqueue.jobs import live
+from fairqueue.jobs.fleet import SEEN_KEY, WORKERS_KEY
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.selectors import tenant_limits_explain
-from fairqueue.jobs.services import JobRequest, job_submit
-from fairqueue.jobs.worker import SEEN_KEY, WORKERS_KEY
+from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.models import PoolSettings, SubTenant, Tenant
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase, max_overlap

@@ -8,9 +8,9 @@ import time
 from django.conf import settings
 
 from fairqueue.jobs.admission import shard_tag
+from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine
-from fairqueue.jobs.services import job_execute
 from tests.factories import make_tenant
 from tests.test_jobs_api import ApiTestCase
 from tests.test_jobs_e2e import E2EBase

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.contrib.auth.models import User
 from django.test import Client
 
-from fairqueue.jobs.services import JobRequest, job_submit
+from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase
 from tests.factories import make_tenant

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard.metrics import collector_register
 from fairqueue.jobs import stats
-from fairqueue.jobs.services import JobRequest, job_submit
+from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase
 from tests.factories import make_tenant

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import connection
 
 from fairqueue.bench.stack import die_with_parent, worker_argv
-from fairqueue.jobs.worker import SEEN_KEY
+from fairqueue.jobs.fleet import SEEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
 LOG_DIR = ROOT / "var" / "test-logs"

@@ -535,7 +535,7 @@ def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
 
     from fairqueue.bench.tasks import PLAIN_TASK_NAME
     from fairqueue.celery import app
-    from fairqueue.jobs.services import JobRequest, job_submit, job_submit_bulk
+    from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
     from tenants.models import Tenant
 
     tenants = {t.slug: t for t in Tenant.objects.select_related("shard")}
@@ -610,8 +610,8 @@ class _Tracer(threading.Thread):
 
     def run(self) -> None:
         from fairqueue.jobs.admission import shard_tag, tenant_key
+        from fairqueue.jobs.fleet import fleet_read
         from fairqueue.jobs.runtime import engine
-        from fairqueue.jobs.worker import fleet_read
 
         while not self.stop.wait(TRACE_INTERVAL_S):
             try:

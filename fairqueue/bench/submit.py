@@ -95,7 +95,7 @@ def child_main(jobs: int, batch: int, out_path: str) -> None:
 
     from fairqueue.bench.tasks import PLAIN_TASK_NAME
     from fairqueue.celery import app
-    from fairqueue.jobs.services import JobRequest, job_submit, job_submit_bulk
+    from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
     from tenants.models import Shard, Tenant
     from tenants.sync import policy_sync_all
 

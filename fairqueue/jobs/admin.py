@@ -6,6 +6,7 @@ from django.contrib import admin, messages
 from django.db.models import F, QuerySet
 from django.http import HttpRequest
 
+from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 
 
@@ -39,8 +40,6 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Retry selected failed jobs")
     def retry_jobs(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
-        from fairqueue.jobs.services import jobs_admit
-
         failed = list(queryset.filter(status=JobStatus.FAILED).values_list("id", flat=True))
         Job.objects.filter(id__in=failed, status=JobStatus.FAILED).update(
             status=JobStatus.QUEUED,

@@ -20,7 +20,9 @@ from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
 from fairqueue.jobs import selectors
-from fairqueue.jobs.services import IDEMPOTENCY_MAX, JobError, JobRequest, job_cancel, job_submit, job_submit_bulk
+from fairqueue.jobs.cancellation import job_cancel
+from fairqueue.jobs.errors import JobError
+from fairqueue.jobs.submission import IDEMPOTENCY_MAX, JobRequest, job_submit, job_submit_bulk
 from tenants.models import Tenant
 from tenants.selectors import tenant_authenticate
 

@@ -23,8 +23,10 @@ from typing import Any
 
 import redis
 
-from fairqueue.jobs.admission import LiveSignals
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, batch_limits, shard_tag
+from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.runtime import engine, redis_client
+from tenants.policy import policy_snapshot
 
 SIGNAL_TTL_SECONDS = 1.0
 FLEET_TTL_SECONDS = 1.0
@@ -109,14 +111,9 @@ class FleetState:
 
     @property
     def pool_target(self) -> float:
-        from tenants.policy import policy_snapshot
-
         return self.slots * policy_snapshot().pool.target_utilisation
 
     def batch_limit(self, shard: str) -> int:
-        from fairqueue.jobs.admission import batch_limits
-        from tenants.policy import policy_snapshot
-
         by_shard = dict(self.batch_by_shard)
         by_shard.setdefault(shard, 0)
         limits = batch_limits(
@@ -134,8 +131,6 @@ _fleet = FleetState()
 
 
 def _window() -> int:
-    from tenants.policy import policy_snapshot
-
     return policy_snapshot().pool.rate_window_seconds
 
 
@@ -229,10 +224,6 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
     now = time.monotonic()
     if now - _fleet.at < max_age:
         return _fleet
-    from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag
-    from fairqueue.jobs.worker import fleet_read
-    from tenants.policy import policy_snapshot
-
     fleet = fleet_read()
     in_flight = 0
     batch_by_shard: dict[str, int] = {}

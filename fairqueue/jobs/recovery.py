@@ -27,8 +27,11 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.engine.keys import LAYOUT
+from fairqueue.jobs.admission import shard_tag
+from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
+from tenants.policy import policy_snapshot
 
 log = logging.getLogger("fairqueue.recovery")
 
@@ -67,10 +70,6 @@ def _chunks(qs: QuerySet[Job]) -> list[list[Job]]:
 
 def state_rebuild() -> dict[str, int]:
     """Re-enter every unfinished job into the engine, oldest first."""
-    from fairqueue.jobs.admission import shard_tag
-    from fairqueue.jobs.services import jobs_admit
-    from tenants.policy import policy_snapshot
-
     policy = policy_snapshot()  # also resyncs policy if Redis lost it
     running = 0
     for chunk in _chunks(Job.objects.filter(status=JobStatus.RUNNING)):
@@ -88,8 +87,6 @@ def state_rebuild() -> dict[str, int]:
 
 def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int = 1000) -> int:
     """Admit jobs that were accepted but never reached the engine (Redis was unreachable)."""
-    from fairqueue.jobs.services import jobs_admit
-
     cutoff = timezone.now() - timedelta(seconds=older_than)
     pending = list(
         Job.objects.select_related("tenant__shard")

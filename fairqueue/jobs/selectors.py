@@ -7,10 +7,13 @@ from typing import Any
 
 from django.db import models
 
-from fairqueue.jobs import payloads
+from fairqueue.jobs import live, payloads
+from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import Job, JobStatus
-from fairqueue.jobs.services import JobError
+from fairqueue.jobs.runtime import engine
 from tenants.models import Tenant
+from tenants.policy import policy_snapshot
 
 
 def job_get(*, tenant: Tenant, job_id: str) -> Job:
@@ -43,9 +46,6 @@ def job_waiting_on(job: Job) -> dict[str, Any] | None:
     """Why a parked job waits: the key, its limit and holders, and the job's place in line."""
     if job.status != JobStatus.PARKED:
         return None
-    from fairqueue.jobs.admission import shard_tag
-    from fairqueue.jobs.runtime import engine
-
     tag = shard_tag(job.tenant.shard.name)
     state = engine().inspect_job(tag=tag, job_id=job.engine_id)
     if state.status != "parked" or not state.parked_on:
@@ -84,11 +84,6 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
 
 def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
     """Every term of the tenant's current limit plus its live load: why its jobs run or wait."""
-    from fairqueue.jobs import live
-    from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
-    from fairqueue.jobs.runtime import engine
-    from tenants.policy import policy_snapshot
-
     policy = policy_snapshot()
     tp = policy.tenants.get(tenant.slug)
     if tp is None:

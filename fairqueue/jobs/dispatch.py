@@ -1,0 +1,226 @@
+"""Admission and handoff: ask the engine for slots, publish what it admits or wakes,
+re-deliver what it reclaims.
+
+These three close a loop (a re-delivered job is admitted again, and an admission can
+reclaim another job's expired hold), so they live together. Everything that asks the
+engine for a slot or publishes a delivery goes through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import redis
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from fairqueue.engine import Admission, AdmitRequest, Woken
+from fairqueue.jobs import live, stats
+from fairqueue.jobs.admission import admission_plan, shard_tag
+from fairqueue.jobs.broker import delivery_publish, split_engine_id
+from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
+from fairqueue.jobs.runtime import engine, queue_name
+from tenants.policy import PolicySnapshot, policy_snapshot
+
+log = logging.getLogger("fairqueue.jobs.dispatch")
+
+
+def jobs_admit(
+    jobs: Sequence[Job],
+    *,
+    policy: PolicySnapshot | None = None,
+    dispatch: bool = True,
+    running: bool = False,
+    rebuilding: bool = False,
+) -> None:
+    """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
+
+    Redis trouble here leaves the jobs `queued` in the database, where recovery admits
+    them later (fairqueue.jobs.recovery). `running=True` re-enters jobs that are already
+    running (after Redis lost its state) with a running lease and no dispatch.
+
+    Normal admissions require the shard's engine tag to be ready: after Redis lost its
+    state the engine does not know the jobs still running until a worker rebuilds it, and
+    admitting a newcomer then could run a tenant above its limit. Such jobs stay `queued`
+    with no admission; the rebuild (`rebuilding=True`, unguarded) or the pending sweep
+    admits them. A shard with no unfinished job at all has nothing to rebuild: its tag is
+    marked ready on the spot and the admission retried once (a fresh Redis, tests).
+    """
+    if not jobs:
+        return
+    try:
+        _jobs_admit(
+            jobs,
+            policy=policy or policy_snapshot(),
+            dispatch=dispatch,
+            running=running,
+            require_ready=not running and not rebuilding,
+        )
+    except redis.RedisError:
+        log.warning("Redis unreachable: %d job(s) stay queued until it is back", len(jobs))
+
+
+def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence[Job]) -> set[str]:
+    """Mark ready each tag whose shard has no unfinished job besides `exclude` (nothing the
+    engine could have lost, so nothing to rebuild); returns the tags marked."""
+    excluded = [j.id for j in exclude]
+    ready: set[str] = set()
+    for shard_name in policy.shards:
+        tag = shard_tag(shard_name)
+        if tag not in tags:
+            continue
+        busy = (
+            Job.objects.filter(
+                tenant__shard__name=shard_name,
+                status__in=[JobStatus.RUNNING, JobStatus.QUEUED, JobStatus.PARKED],
+            )
+            .exclude(id__in=excluded)
+            .exists()
+        )
+        if not busy:
+            engine().init_tag(tag=tag)
+            ready.add(tag)
+    return ready
+
+
+def _jobs_admit(
+    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool
+) -> None:
+    lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
+    items = []
+    admitted_jobs = []
+    for job in jobs:
+        tp = policy.tenants.get(job.tenant.slug)
+        if tp is None:
+            continue
+        plan = admission_plan(
+            policy=policy,
+            tenant=tp,
+            sub_tenant=job.sub_tenant,
+            priority=job.priority,
+            signals=live.live_signals(tenant_slug=tp.slug),
+            batch=job.in_batch_lane,
+            # Batch work must see the pool as it is now, not as cached a second ago.
+            batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if job.in_batch_lane else 0,
+        )
+        items.append(
+            AdmitRequest(
+                tag=plan.tag,
+                job_id=job.engine_id,
+                keys=plan.keys,
+                priority=plan.priority,
+                lease_seconds=lease_seconds,
+                data=queue_name(job.latency_class, batch=job.in_batch_lane),
+                require_ready=require_ready,
+            )
+        )
+        admitted_jobs.append(job)
+    started = time.perf_counter()
+    outcomes: list[Admission] = engine().admit_many(items)
+    stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
+    unready = [i for i, o in enumerate(outcomes) if o.not_ready]
+    if unready:
+        retry = _tags_init_if_idle({items[i].tag for i in unready}, policy, admitted_jobs)
+        again = [i for i in unready if items[i].tag in retry]
+        if again:
+            for i, o in zip(again, engine().admit_many([items[i] for i in again]), strict=True):
+                outcomes[i] = o
+    if running:
+        return
+    now = timezone.now()
+    waiting_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.not_ready]
+    parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted and not o.not_ready]
+    go_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.admitted]
+    if waiting_ids:
+        # Not admitted: recovery's pending sweep (or the state rebuild) admits them later.
+        log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting_ids))
+        Job.objects.filter(id__in=waiting_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
+            status=JobStatus.QUEUED, admitted_at=None
+        )
+    if parked_ids:
+        Job.objects.filter(id__in=parked_ids, status=JobStatus.QUEUED).update(status=JobStatus.PARKED)
+    if go_ids:
+        Job.objects.filter(id__in=go_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
+            status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now))
+        )
+    if not dispatch:
+        return
+    for job, outcome in zip(admitted_jobs, outcomes, strict=True):
+        if outcome.admitted:
+            if job.admitted_at is None:
+                job.admitted_at = now
+            job.status = JobStatus.QUEUED
+            delivery_publish(job.engine_id, queue_name(job.latency_class, batch=job.in_batch_lane))
+        elif outcome.not_ready:
+            job.status = JobStatus.QUEUED
+            job.admitted_at = None
+        elif job.status == JobStatus.QUEUED:
+            job.status = JobStatus.PARKED
+    outcomes_handle(woken=[w for o in outcomes for w in o.woken], reclaimed=[r for o in outcomes for r in o.reclaimed])
+
+
+def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> None:
+    """Dispatch jobs the engine just handed slots to; re-deliver jobs whose lease ran out."""
+    woken = list(woken)
+    if woken:
+        # Publish first: the slot is already theirs, and every millisecond here is a worker
+        # slot held but idle. The claim accepts `parked` as well, so the order is safe.
+        now = timezone.now()
+        for w in woken:
+            delivery_publish(w.job_id, w.data)
+        ids = [split_engine_id(w.job_id)[0] for w in woken]
+        Job.objects.filter(id__in=ids, status=JobStatus.PARKED).update(status=JobStatus.QUEUED, admitted_at=now)
+    reclaimed = list(reclaimed)
+    if reclaimed:
+        jobs_redeliver([r.job_id for r in reclaimed])
+
+
+def jobs_redeliver(engine_ids: Iterable[str]) -> None:
+    """A hold expired: its worker died (or the broker lost the message). Run it again, once."""
+    poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
+    again: list[Job] = []
+    for engine_id in engine_ids:
+        job_id, gen = split_engine_id(engine_id)
+        with transaction.atomic():
+            job = Job.objects.select_for_update().select_related("tenant").filter(id=job_id, generation=gen).first()
+            if job is None or job.status in TERMINAL_STATUSES:
+                continue
+            if job.status == JobStatus.RUNNING:
+                job.worker_losses += 1
+            job.generation += 1
+            job.admitted_at = None
+            if job.worker_losses >= poison_limit:
+                job.status = JobStatus.FAILED
+                job.error_reason = "worker_lost"
+                job.error = f"Workers died {job.worker_losses} times running this job; not re-delivered again."
+                job.finished_at = timezone.now()
+                stats.count("finished:failed")
+            else:
+                job.status = JobStatus.QUEUED
+                again.append(job)
+            job.save(
+                update_fields=[
+                    "worker_losses",
+                    "generation",
+                    "admitted_at",
+                    "status",
+                    "error",
+                    "error_reason",
+                    "finished_at",
+                ]
+            )
+        log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
+    jobs_admit(again)
+
+
+def job_release(*, tag: str, engine_id: str, keys: list[str] | None = None) -> None:
+    """Give a job's slots back; the engine hands each to its next waiter, dispatched here."""
+    started = time.perf_counter()
+    result = engine().release(tag=tag, job_id=engine_id, keys=keys)
+    stats.observe("release", time.perf_counter() - started)
+    outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)

@@ -1,0 +1,112 @@
+"""Running one delivery of a job on a worker: claim it, run its task, record the outcome,
+release its slots. The claim is a conditional update keyed on the job's generation, so a
+stale or duplicate message does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import traceback
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs.admission import key_names, shard_tag
+from fairqueue.jobs.broker import split_engine_id
+from fairqueue.jobs.dispatch import job_release, jobs_admit
+from fairqueue.jobs.leases import active_leases
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.registry import JobContext, task_get
+from fairqueue.jobs.runtime import engine
+
+log = logging.getLogger("fairqueue.jobs.execution")
+
+
+def job_execute(*, job_id: str, generation: int, worker: str) -> str:
+    """Run one delivery of a job; returns what happened (for logs and tests)."""
+    waiting = [JobStatus.QUEUED, JobStatus.PARKED]
+    job = (
+        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
+    )
+    if job is None:
+        return "skipped"  # stale generation, cancelled, or already run: the guard that makes it once
+    tag = shard_tag(job.tenant.shard.name)
+    # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
+    # a worker killed between the two then leaves a queued job whose hold runs out within
+    # one running lease (and is re-delivered without counting a loss). Claiming first left a
+    # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
+    lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
+    if not engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease):
+        # The hold was reclaimed before we started (the dispatch lease ran out): the job has
+        # been or will be re-delivered under a new generation.
+        return "lost"
+    now = timezone.now()
+    claimed = Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
+        status=JobStatus.RUNNING,
+        started_at=now,
+        admitted_at=Coalesce("admitted_at", Value(now)),
+        attempts=F("attempts") + 1,
+        worker=worker,
+    )
+    if not claimed:
+        return "skipped"  # claimed by another delivery in between: it renews the hold itself
+    # The row is as read above (the claim's filter guarantees it) but for what the claim set;
+    # the task reads its attempt number.
+    job.attempts += 1
+    active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
+    outcome = "succeeded"
+    fields: dict[str, Any] = {}
+    try:
+        registered = task_get(job.task)
+        if registered is None:
+            raise LookupError(f"task {job.task!r} is not registered on this worker")
+        raw_args = payloads.payload_get(job.args_ref) if job.args_ref else job.args
+        args = registered.args_model.model_validate(raw_args)
+        ctx = JobContext(job_id=str(job.id), attempt=job.attempts, worker=worker)
+        value = registered.func(ctx, args)
+        encoded = payloads.payload_encode(value)
+        if len(encoded) > payloads.payload_threshold():
+            fields.update(result=None, result_ref=payloads.payload_put(data=encoded, kind="results"))
+        else:
+            fields.update(result=json.loads(encoded))
+        fields["status"] = JobStatus.SUCCEEDED
+    except Exception as exc:
+        outcome = "failed"
+        fields.update(
+            status=JobStatus.FAILED,
+            error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"[:10_000],
+            error_reason="exception",
+        )
+    finally:
+        lost = active_leases.remove(job.engine_id)
+    finished = timezone.now()
+    fields["finished_at"] = finished
+    if lost:
+        log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
+    if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
+        stats.count(f"finished:{fields['status']}")
+    hint = key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+    job_release(tag=tag, engine_id=job.engine_id, keys=hint)
+    live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
+    return outcome
+
+
+def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
+    """Hand a running job back because its worker is shutting down on purpose.
+
+    Unlike a reclaim after a crash, this is not the job's fault: worker_losses is not
+    incremented, so scaling in never turns a job into a poison pill.
+    """
+    job_id, gen = split_engine_id(engine_id)
+    moved = Job.objects.filter(id=job_id, generation=gen, status=JobStatus.RUNNING).update(
+        status=JobStatus.QUEUED, generation=gen + 1, admitted_at=None, worker=""
+    )
+    job_release(tag=tag, engine_id=engine_id)
+    if moved:
+        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)))
+    return bool(moved)

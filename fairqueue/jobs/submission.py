@@ -1,0 +1,157 @@
+"""Accepting jobs: validate a request completely, write its row, then admit it.
+
+The row is committed first (the database is the truth); the engine then admits or parks
+the job in one round trip (fairqueue.jobs.dispatch). Bulk submissions are all valid or
+none is written.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from pydantic import ValidationError as PydanticValidationError
+
+from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs.dispatch import jobs_admit
+from fairqueue.jobs.errors import JobError
+from fairqueue.jobs.models import Job
+from fairqueue.jobs.registry import task_get
+from tenants.models import Tenant
+from tenants.policy import PolicySnapshot, policy_snapshot
+
+SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
+IDEMPOTENCY_MAX = 200
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    task: str
+    args: dict[str, Any] = field(default_factory=dict)
+    sub_tenant: str | None = None
+    priority: str | None = None
+    batch: bool = False
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    job: Job
+    created: bool
+
+
+# --- validation ------------------------------------------------------------------------
+
+
+def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str) -> Job:
+    """Validate one request completely and build its (unsaved) row; raises JobError."""
+    registered = task_get(req.task)
+    if registered is None:
+        raise JobError(400, "unknown_task", f"Unknown task {req.task!r}.", f"{where}task")
+    if not isinstance(req.args, dict):
+        raise JobError(400, "invalid_args", "args must be a JSON object.", f"{where}args")
+    try:
+        registered.args_model.model_validate(req.args)
+    except PydanticValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise JobError(
+            400, "invalid_args", f"Bad arguments for {req.task}: {loc}: {first['msg']}.", f"{where}args.{loc}"
+        ) from None
+    tenant_policy = policy.tenants.get(tenant.slug)
+    class_name = req.priority or (tenant_policy.default_class if tenant_policy else "") or "default"
+    latency_class = policy.classes.get(class_name)
+    if latency_class is None:
+        known = ", ".join(sorted(policy.classes))
+        raise JobError(
+            400, "unknown_priority", f"Unknown priority {class_name!r}; use one of: {known}.", f"{where}priority"
+        )
+    if req.batch and not tenant.batch_enabled:
+        raise JobError(400, "batch_not_enabled", "This tenant has not opted into the batch lane.", f"{where}batch")
+    sub = req.sub_tenant or ""
+    if sub and not SUB_TENANT_RE.match(sub):
+        raise JobError(
+            400, "invalid_sub_tenant", "sub_tenant must be 1-200 printable ASCII characters.", f"{where}sub_tenant"
+        )
+    if req.idempotency_key is not None and not (0 < len(req.idempotency_key) <= IDEMPOTENCY_MAX):
+        raise JobError(
+            400,
+            "invalid_idempotency_key",
+            f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
+            f"{where}idempotency_key",
+        )
+    return Job(
+        id=uuid.uuid4(),
+        tenant=tenant,
+        sub_tenant=sub,
+        task=req.task,
+        latency_class=class_name,
+        priority=latency_class.rank,
+        batch=req.batch,
+        idempotency_key=req.idempotency_key,
+        args=req.args,
+    )
+
+
+def _offload_large_args(jobs: Sequence[Job]) -> None:
+    """Move arguments over the threshold to the payload store (after all jobs validated)."""
+    threshold = payloads.payload_threshold()
+    for job in jobs:
+        encoded = payloads.payload_encode(job.args)
+        if len(encoded) > threshold:
+            job.args_ref = payloads.payload_put(data=encoded, kind="args")
+            job.args = {}
+
+
+def _discard_offloaded(jobs: Sequence[Job]) -> None:
+    for job in jobs:
+        if job.args_ref:
+            payloads.payload_delete(job.args_ref)
+
+
+# --- submit ---------------------------------------------------------------------------------
+
+
+def job_submit(*, tenant: Tenant, req: JobRequest) -> SubmitResult:
+    """Accept one job: same idempotency key, same job (and nothing new written)."""
+    return job_submit_bulk(tenant=tenant, reqs=[req], single=True)[0]
+
+
+def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool = False) -> list[SubmitResult]:
+    """Accept many jobs in one go: all valid or none written; Redis work in one pipeline."""
+    policy = policy_snapshot()
+    keys = [r.idempotency_key for r in reqs if r.idempotency_key is not None]
+    if len(keys) != len(set(keys)):
+        raise JobError(400, "duplicate_idempotency_key", "Two jobs in one request share an idempotency key.", "jobs")
+    existing: dict[str, Job] = {}
+    if keys:
+        existing = {j.idempotency_key: j for j in Job.objects.filter(tenant=tenant, idempotency_key__in=keys)}  # type: ignore[misc]
+    results: list[SubmitResult | None] = []
+    fresh: list[Job] = []
+    for i, req in enumerate(reqs):
+        if req.idempotency_key is not None and req.idempotency_key in existing:
+            results.append(SubmitResult(existing[req.idempotency_key], created=False))
+            continue
+        fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
+        results.append(None)
+    if fresh:
+        _offload_large_args(fresh)
+        try:
+            with transaction.atomic():
+                Job.objects.bulk_create(fresh)
+        except IntegrityError:
+            # A concurrent request won the race on an idempotency key: answer with its jobs.
+            _discard_offloaded(fresh)
+            return job_submit_bulk(tenant=tenant, reqs=reqs, single=single)
+        except BaseException:
+            _discard_offloaded(fresh)
+            raise
+        live.record_submissions(tenant_slug=tenant.slug, count=len(fresh))
+        stats.count("submitted", len(fresh))
+        jobs_admit(fresh, policy=policy)
+    it = iter(fresh)
+    return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
