@@ -5,6 +5,7 @@ from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
+from kombu import Queue
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
@@ -126,9 +127,20 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", def
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes these two
+# queues: latency classes are message priorities in fq.jobs (0 = highest class), and the
+# batch lane is read only when fq.jobs is empty (fairqueue/jobs/broker.py).
+CELERY_TASK_QUEUES = (Queue("fq.jobs"), Queue("fq.batch"))
+CELERY_TASK_DEFAULT_QUEUE = "fq.jobs"
+# Jobs renew their leases from a thread of the process that runs them, and the fleet
+# registry counts them there: a FairQueue worker runs the threads pool.
+CELERY_WORKER_POOL = env("FAIRQUEUE_WORKER_POOL", default="threads")
+CELERY_WORKER_CONCURRENCY = env.int("FAIRQUEUE_WORKER_SLOTS", default=4)
 CELERY_BROKER_TRANSPORT_OPTIONS = {
-    # Strict priority across the per-class queues instead of kombu's round robin.
+    # Strict priority: fq.jobs before fq.batch, and within fq.jobs one list per level,
+    # read highest first, instead of kombu's round robin.
     "queue_order_strategy": "priority",
+    "priority_steps": list(range(10)),
     # The engine's leases re-deliver work from dead workers; the broker's own
     # re-delivery is only a late safety net, so it must not fire on long jobs.
     "visibility_timeout": env.int("FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600),

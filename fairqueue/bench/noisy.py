@@ -5,7 +5,7 @@ own flushed Redis database, new `manage.py worker` processes with a fixed number
 thread slots):
 
 - ``fifo``: plain Celery. Every job is one `send_task` of `fairqueue.bench.plain_sleep`
-  to the single queue ``fq.default``; no FairQueue code on the path at all.
+  to the single queue ``fq.jobs``; no FairQueue code on the path at all.
 - ``isolation``: FairQueue with fixed shares: every tenant's floor and hard max are
   ``slots // tenants`` and f_min = f_max = 1, so nobody ever flexes.
 - ``fair``: FairQueue with its dynamic limits, default tenant and pool settings.
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from fairqueue.bench import stack
+from fairqueue.jobs.broker import JOBS_QUEUE
 
 MODES = ("fifo", "isolation", "fair", "fair_no_burst")
 BACKLOG_GRACE_S = 0.1
@@ -58,7 +59,7 @@ QUIET_PREFIX = "quiet-"
 NOISY_SLUG = "noisy"
 SHARD_NAME = "bench"
 SHARD_CAPACITY = 10_000  # the shard key must not be what throttles anyone here
-FIFO_QUEUE = "fq.default"
+FIFO_QUEUE = JOBS_QUEUE
 TRACE_INTERVAL_S = 0.25
 
 Log = Callable[[str], None]

@@ -1,4 +1,11 @@
-"""Publishing a job delivery to its Celery queue, over one long-lived producer per thread."""
+"""Publishing a job delivery to the broker, over one long-lived producer per thread.
+
+Every worker consumes the same two queues, so no admin edit can leave work in a queue
+nobody reads: `fq.jobs`, where a latency class is a message priority (strict: kombu's
+priority lists are read highest first), and `fq.batch`, the idle-capacity lane, read
+after it. A delivery's route travels through the engine as its opaque data string: the
+priority level, or BATCH_ROUTE.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,10 @@ from typing import Any
 from fairqueue.celery import app
 
 RUN_TASK_NAME = "fairqueue.run_job"
+JOBS_QUEUE = "fq.jobs"
+BATCH_QUEUE = "fq.batch"
+BATCH_ROUTE = "batch"
+DEFAULT_LEVEL = 5  # a route this code does not know (an older version's) still runs
 
 _producers = threading.local()
 
@@ -32,12 +43,24 @@ def _producer() -> Any:
     return producer
 
 
-def delivery_publish(engine_id: str, queue: str) -> None:
-    """Send one delivery (job id and generation) to `queue`."""
+def delivery_route(*, level: int, batch: bool) -> str:
+    """The engine data string that says where a delivery of this job is published."""
+    return BATCH_ROUTE if batch else str(level)
+
+
+def _queue_and_priority(route: str) -> tuple[str, int | None]:
+    if route == BATCH_ROUTE:
+        return BATCH_QUEUE, None
+    return JOBS_QUEUE, int(route) if route.isdigit() else DEFAULT_LEVEL
+
+
+def delivery_publish(engine_id: str, route: str) -> None:
+    """Send one delivery (job id and generation) where `route` says."""
     job_id, gen = split_engine_id(engine_id)
+    queue, priority = _queue_and_priority(route)
     try:
-        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, producer=_producer())
+        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, priority=priority, producer=_producer())
     except Exception:
         # A broken cached connection: drop it and publish once more on a fresh one.
         _producers.producer = None
-        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, producer=_producer())
+        app.send_task(RUN_TASK_NAME, args=[job_id, gen], queue=queue, priority=priority, producer=_producer())

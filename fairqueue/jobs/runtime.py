@@ -34,8 +34,3 @@ def redis_client() -> redis.Redis:
 
 def engine() -> Engine:
     return _engine_for(settings.REDIS_URL)
-
-
-def queue_name(latency_class: str, *, batch: bool = False) -> str:
-    """One Celery queue per latency class (plus the batch lane); workers take higher first."""
-    return "fq.batch" if batch else f"fq.{latency_class}"

@@ -59,6 +59,13 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     hostname = getattr(sender, "hostname", None) or "worker"
     _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
+    pool = str(getattr(sender.controller, "pool_cls", "") or sender.app.conf.worker_pool or "")
+    if "prefork" in pool:
+        log.error(
+            "worker %s runs the prefork pool: leases are renewed and counted in the process that runs a job, "
+            "so run FairQueue workers with the threads pool (the default; -P threads)",
+            hostname,
+        )
     _stop.clear()
     threading.Thread(target=_heartbeat, args=(hostname, slots), name="fairqueue-heartbeat", daemon=True).start()
     interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
