@@ -6,6 +6,7 @@ sees names and numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
 BATCH_PRIORITY = 0
+PRIORITY_LEVELS = 10  # broker priority levels (kombu's priority_steps, fairqueue/settings.py)
 
 
 def shard_tag(shard: str) -> str:
@@ -44,6 +46,10 @@ class LiveSignals:
     pool_slots: int = 0
     in_flight: int = 0
     idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
+    # Slots the tenant (and its shard) still hold at a place they were moved away from
+    # (fairqueue.jobs.moves): counted against the limit at the new place until they finish.
+    held_elsewhere: int = 0
+    shard_held_elsewhere: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,7 @@ class AdmissionPlan:
 
 def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: LiveSignals) -> LimitBreakdown:
     pool = policy.pool
-    return tenant_limit(
+    breakdown = tenant_limit(
         floor=tenant.floor,
         burst_floor=tenant.burst_floor,
         burst_pct=tenant.burst_pct,
@@ -72,6 +78,9 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         f_max=pool.f_max,
         idle_share=signals.idle_share,
     )
+    if signals.held_elsewhere:
+        breakdown = dataclasses.replace(breakdown, limit=max(0, breakdown.limit - signals.held_elsewhere))
+    return breakdown
 
 
 def sub_tenant_cap(policy: PolicySnapshot, tenant: TenantPolicy, external_id: str, limit: int) -> int:
@@ -103,6 +112,23 @@ def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool) -> list[str]:
     return names
 
 
+def job_placement(*, tenant: TenantPolicy, sub_tenant: str, batch: bool) -> tuple[str, list[str]]:
+    """Where a job is admitted now: its engine tag and key names. Stored on the job, so its
+    later engine calls go to the same place even if the tenant or shard is renamed or moved."""
+    return shard_tag(tenant.shard), key_names(tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch)
+
+
+def class_level(policy: PolicySnapshot, latency_class: str) -> int:
+    """The broker priority level of a latency class: 0 for the highest-ranked class, then
+    one level per class down the ranks (classes past the last level share it). An unknown
+    class (deleted since) runs at the level of `default`, or last."""
+    ranks = sorted({c.rank for c in policy.classes.values()}, reverse=True)
+    known = policy.classes.get(latency_class) or policy.classes.get("default")
+    if known is None:
+        return PRIORITY_LEVELS - 1
+    return min(ranks.index(known.rank), PRIORITY_LEVELS - 1)
+
+
 def admission_plan(
     *,
     policy: PolicySnapshot,
@@ -112,20 +138,24 @@ def admission_plan(
     signals: LiveSignals,
     batch: bool = False,
     batch_limit: int = 0,
+    placement: tuple[str, list[str]] | None = None,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
-    key: it runs only on idle capacity and must not eat into the tenant's interactive limit."""
+    key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
+
+    `placement` is the (tag, key names) stored on the job when it differs from where the
+    tenant is now (it was moved or renamed since): the limits pair with those names.
+    """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
-    limits = [batch_limit if batch else breakdown.limit, shard.capacity]
+    capacity = max(0, shard.capacity - signals.shard_held_elsewhere)
+    limits = [batch_limit if batch else breakdown.limit, capacity]
     if batch:
         priority = BATCH_PRIORITY
     cap = None
     if sub_tenant:
         cap = sub_tenant_cap(policy, tenant, sub_tenant, breakdown.limit)
         limits.append(cap)
-    names = key_names(tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch)
+    tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch)
     keys = [KeyLimit(name, limit) for name, limit in zip(names, limits, strict=True)]
-    return AdmissionPlan(
-        tag=shard_tag(tenant.shard), keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap
-    )
+    return AdmissionPlan(tag=tag, keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap)

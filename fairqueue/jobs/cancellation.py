@@ -2,29 +2,42 @@
 
 from __future__ import annotations
 
+import logging
+
 from django.utils import timezone
 
 from fairqueue.jobs import stats
-from fairqueue.jobs.admission import shard_tag
-from fairqueue.jobs.dispatch import outcomes_handle
+from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
-from fairqueue.jobs.runtime import engine
+from fairqueue.jobs.models import TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
+
+log = logging.getLogger("fairqueue.jobs.cancellation")
+
+CANCEL_ATTEMPTS = 3
 
 
 def job_cancel(*, job: Job) -> Job:
-    """Cancel a job that has not started. A parked job gives up its place at once."""
-    if job.status in TERMINAL_STATUSES:
-        raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
-    if job.status == JobStatus.RUNNING:
-        raise JobError(409, "not_cancellable", "Job is already running.", None)
-    updated = Job.objects.filter(
-        id=job.id, generation=job.generation, status__in=[JobStatus.QUEUED, JobStatus.PARKED]
-    ).update(status=JobStatus.CANCELLED, finished_at=timezone.now())
-    job.refresh_from_db()
-    if not updated:
-        raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
+    """Cancel a job that has not started. A parked job gives up its place at once.
+
+    The database decides: the cancel is a compare-and-set on (id, generation, waiting
+    status), and a delivery's claim is one on the same row, so exactly one of them wins.
+    Giving the engine its slot back is best-effort: if Redis cannot be reached the cancel
+    still stands, and the reconciler frees the slot (`release_pending`).
+    """
+    for _ in range(CANCEL_ATTEMPTS):
+        if job.status in TERMINAL_STATUSES:
+            raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
+        if job.status == JobStatus.RUNNING:
+            raise JobError(409, "not_cancellable", "Job is already running.", None)
+        updated = Job.objects.filter(id=job.id, generation=job.generation, status__in=sorted(WAITING_STATUSES)).update(
+            status=JobStatus.CANCELLED, finished_at=timezone.now()
+        )
+        job.refresh_from_db()
+        if updated:
+            break
+        # Lost a race (re-delivered, promoted, moved: a new generation, still waiting): again.
+    else:
+        raise JobError(409, "not_cancellable", "The job keeps changing; retry the cancel.", None)
     stats.count("finished:cancelled")
-    result = engine().release(tag=shard_tag(job.tenant.shard.name), job_id=job.engine_id)
-    outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
+    job_release_or_defer(job)
     return job

@@ -10,22 +10,26 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Value
+from django.db.models import Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, stats
-from fairqueue.jobs.admission import admission_plan, shard_tag
-from fairqueue.jobs.broker import delivery_publish, split_engine_id
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
-from fairqueue.jobs.runtime import engine, queue_name
-from tenants.policy import PolicySnapshot, policy_snapshot
+from fairqueue.jobs.admission import admission_plan, class_level, job_placement, shard_tag
+from fairqueue.jobs.broker import delivery_publish, delivery_route, split_engine_id
+from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
+from fairqueue.jobs.runtime import engine
+from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
+
+WAITING = sorted(WAITING_STATUSES)
 
 log = logging.getLogger("fairqueue.jobs.dispatch")
 
@@ -37,6 +41,7 @@ def jobs_admit(
     dispatch: bool = True,
     running: bool = False,
     rebuilding: bool = False,
+    strict: bool = False,
 ) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
 
@@ -50,6 +55,8 @@ def jobs_admit(
     with no admission; the rebuild (`rebuilding=True`, unguarded) or the pending sweep
     admits them. A shard with no unfinished job at all has nothing to rebuild: its tag is
     marked ready on the spot and the admission retried once (a fresh Redis, tests).
+
+    `strict=True` lets a Redis error through instead (the rebuild must know it failed).
     """
     if not jobs:
         return
@@ -62,23 +69,23 @@ def jobs_admit(
             require_ready=not running and not rebuilding,
         )
     except redis.RedisError:
+        if strict:
+            raise
         log.warning("Redis unreachable: %d job(s) stay queued until it is back", len(jobs))
 
 
 def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence[Job]) -> set[str]:
-    """Mark ready each tag whose shard has no unfinished job besides `exclude` (nothing the
-    engine could have lost, so nothing to rebuild); returns the tags marked."""
+    """Mark ready each tag where no unfinished job besides `exclude` is placed (nothing the
+    engine could have lost there, so nothing to rebuild); returns the tags marked."""
     excluded = [j.id for j in exclude]
+    shard_of = {shard_tag(name): name for name in policy.shards}
     ready: set[str] = set()
-    for shard_name in policy.shards:
-        tag = shard_tag(shard_name)
-        if tag not in tags:
-            continue
+    for tag in tags:
+        placed = Q(engine_tag=tag)
+        if tag in shard_of:  # rows from before placements were stored
+            placed |= Q(engine_tag="", tenant__shard__name=shard_of[tag])
         busy = (
-            Job.objects.filter(
-                tenant__shard__name=shard_name,
-                status__in=[JobStatus.RUNNING, JobStatus.QUEUED, JobStatus.PARKED],
-            )
+            Job.objects.filter(placed, status__in=[JobStatus.RUNNING, JobStatus.QUEUED, JobStatus.PARKED])
             .exclude(id__in=excluded)
             .exists()
         )
@@ -86,6 +93,34 @@ def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence
             engine().init_tag(tag=tag)
             ready.add(tag)
     return ready
+
+
+def _placement(job: Job, tenant: TenantPolicy) -> tuple[str, list[str]]:
+    """The job's stored placement; a row without one (written before placements were
+    stored) gets the current one, stored here so its later engine calls find it."""
+    now_tag, now_names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+    names = job.engine_key_names
+    if job.engine_tag and len(names) == len(now_names):
+        return job.engine_tag, names
+    job.engine_tag, job.engine_keys = now_tag, KEY_SEPARATOR.join(now_names)
+    Job.objects.filter(id=job.id, generation=job.generation).update(
+        engine_tag=job.engine_tag, engine_keys=job.engine_keys
+    )
+    return now_tag, now_names
+
+
+def _by_generation(pairs: Iterable[tuple[Any, int]]) -> dict[int, list[Any]]:
+    """Group job ids by generation, for conditional updates keyed on (id, generation)."""
+    groups: dict[int, list[Any]] = defaultdict(list)
+    for job_id, generation in pairs:
+        groups[generation].append(job_id)
+    return groups
+
+
+def _update_where(jobs: Iterable[Job], statuses: Sequence[str], **fields: Any) -> None:
+    """Compare-and-set: update each job only while it is still this generation in one of `statuses`."""
+    for generation, ids in _by_generation((j.id, j.generation) for j in jobs).items():
+        Job.objects.filter(id__in=ids, generation=generation, status__in=statuses).update(**fields)
 
 
 def _jobs_admit(
@@ -96,7 +131,7 @@ def _jobs_admit(
     admitted_jobs = []
     for job in jobs:
         tp = policy.tenants.get(job.tenant.slug)
-        if tp is None:
+        if tp is None or job.status in TERMINAL_STATUSES:
             continue
         plan = admission_plan(
             policy=policy,
@@ -107,6 +142,7 @@ def _jobs_admit(
             batch=job.in_batch_lane,
             # Batch work must see the pool as it is now, not as cached a second ago.
             batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if job.in_batch_lane else 0,
+            placement=_placement(job, tp),
         )
         items.append(
             AdmitRequest(
@@ -115,7 +151,7 @@ def _jobs_admit(
                 keys=plan.keys,
                 priority=plan.priority,
                 lease_seconds=lease_seconds,
-                data=queue_name(job.latency_class, batch=job.in_batch_lane),
+                data=delivery_route(level=class_level(policy, job.latency_class), batch=job.in_batch_lane),
                 require_ready=require_ready,
             )
         )
@@ -133,35 +169,49 @@ def _jobs_admit(
     if running:
         return
     now = timezone.now()
-    waiting_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.not_ready]
-    parked_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if not o.admitted and not o.not_ready]
-    go_ids = [j.id for j, o in zip(admitted_jobs, outcomes, strict=True) if o.admitted]
-    if waiting_ids:
+    pairs = list(zip(admitted_jobs, outcomes, strict=True))
+    waiting = [j for j, o in pairs if o.not_ready]
+    parked = [j for j, o in pairs if not o.admitted and not o.not_ready]
+    go = [j for j, o in pairs if o.admitted]
+    if waiting:
         # Not admitted: recovery's pending sweep (or the state rebuild) admits them later.
-        log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting_ids))
-        Job.objects.filter(id__in=waiting_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
-            status=JobStatus.QUEUED, admitted_at=None
-        )
-    if parked_ids:
-        Job.objects.filter(id__in=parked_ids, status=JobStatus.QUEUED).update(status=JobStatus.PARKED)
-    if go_ids:
-        Job.objects.filter(id__in=go_ids, status__in=[JobStatus.QUEUED, JobStatus.PARKED]).update(
-            status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now))
-        )
-    if not dispatch:
-        return
-    for job, outcome in zip(admitted_jobs, outcomes, strict=True):
+        log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting))
+        _update_where(waiting, WAITING, status=JobStatus.QUEUED, admitted_at=None)
+    if parked:
+        _update_where(parked, [JobStatus.QUEUED], status=JobStatus.PARKED)
+    if go:
+        _update_where(go, WAITING, status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now)))
+    for job, outcome in pairs:
         if outcome.admitted:
             if job.admitted_at is None:
                 job.admitted_at = now
             job.status = JobStatus.QUEUED
-            delivery_publish(job.engine_id, queue_name(job.latency_class, batch=job.in_batch_lane))
         elif outcome.not_ready:
             job.status = JobStatus.QUEUED
             job.admitted_at = None
         elif job.status == JobStatus.QUEUED:
             job.status = JobStatus.PARKED
+    if not dispatch:
+        return
+    _publish([(j.engine_id, i.data) for j, i, o in zip(admitted_jobs, items, outcomes, strict=True) if o.admitted])
     outcomes_handle(woken=[w for o in outcomes for w in o.woken], reclaimed=[r for o in outcomes for r in o.reclaimed])
+
+
+def _publish(deliveries: Sequence[tuple[str, str]]) -> None:
+    """Publish (engine id, route) deliveries. One the broker refused goes back to `queued`
+    with no admission: the pending sweep admits it again (the engine still knows it as a
+    holder, so that admission succeeds at once) and publishes it then."""
+    failed: list[tuple[str, int]] = []
+    for engine_id, route in deliveries:
+        try:
+            delivery_publish(engine_id, route)
+        except Exception:
+            log.exception("could not publish job %s; the pending sweep publishes it again", engine_id)
+            failed.append(split_engine_id(engine_id))
+    for generation, ids in _by_generation(failed).items():
+        Job.objects.filter(id__in=ids, generation=generation, status__in=WAITING).update(
+            status=JobStatus.QUEUED, admitted_at=None
+        )
 
 
 def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> None:
@@ -171,10 +221,11 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         # Publish first: the slot is already theirs, and every millisecond here is a worker
         # slot held but idle. The claim accepts `parked` as well, so the order is safe.
         now = timezone.now()
-        for w in woken:
-            delivery_publish(w.job_id, w.data)
-        ids = [split_engine_id(w.job_id)[0] for w in woken]
-        Job.objects.filter(id__in=ids, status=JobStatus.PARKED).update(status=JobStatus.QUEUED, admitted_at=now)
+        _publish([(w.job_id, w.data) for w in woken])
+        for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
+            Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
+                status=JobStatus.QUEUED, admitted_at=now
+            )
     reclaimed = list(reclaimed)
     if reclaimed:
         jobs_redeliver([r.job_id for r in reclaimed])
@@ -183,6 +234,7 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
 def jobs_redeliver(engine_ids: Iterable[str]) -> None:
     """A hold expired: its worker died (or the broker lost the message). Run it again, once."""
     poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
+    policy = policy_snapshot()
     again: list[Job] = []
     for engine_id in engine_ids:
         job_id, gen = split_engine_id(engine_id)
@@ -202,9 +254,17 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 stats.count("finished:failed")
             else:
                 job.status = JobStatus.QUEUED
+                tenant = policy.tenants.get(job.tenant.slug)
+                if tenant is not None:  # a new admission: wherever the tenant is now
+                    job.engine_tag, names = job_placement(
+                        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane
+                    )
+                    job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)
             job.save(
                 update_fields=[
+                    "engine_tag",
+                    "engine_keys",
                     "worker_losses",
                     "generation",
                     "admitted_at",
@@ -224,3 +284,16 @@ def job_release(*, tag: str, engine_id: str, keys: list[str] | None = None) -> N
     result = engine().release(tag=tag, job_id=engine_id, keys=keys)
     stats.observe("release", time.perf_counter() - started)
     outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
+
+
+def job_release_or_defer(job: Job) -> bool:
+    """Release a finished job's slots; if the engine cannot be reached, flag the row so the
+    reconciler releases them later (a finished job's outcome never depends on Redis).
+    True if released now."""
+    try:
+        job_release(tag=job.engine_tag, engine_id=job.engine_id, keys=job.engine_key_names or None)
+        return True
+    except Exception:
+        log.warning("could not release job %s now; the reconciler will", job.engine_id, exc_info=True)
+        Job.objects.filter(id=job.id, generation=job.generation).update(release_pending=True)
+        return False

@@ -10,6 +10,7 @@ import logging
 import traceback
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
@@ -18,9 +19,9 @@ from django.utils import timezone
 from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.broker import split_engine_id
-from fairqueue.jobs.dispatch import job_release, jobs_admit
+from fairqueue.jobs.dispatch import job_release, job_release_or_defer, jobs_admit
 from fairqueue.jobs.leases import active_leases
-from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import JobContext, task_get
 from fairqueue.jobs.runtime import engine
 
@@ -34,14 +35,29 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
     )
     if job is None:
+        _release_if_finished(job_id, generation)
         return "skipped"  # stale generation, cancelled, or already run: the guard that makes it once
-    tag = shard_tag(job.tenant.shard.name)
+    if not job.engine_tag:  # a row from before placements were stored
+        job.engine_tag = shard_tag(job.tenant.shard.name)
+        job.engine_keys = KEY_SEPARATOR.join(
+            key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+        )
+    tag = job.engine_tag
     # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a
     # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
     lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
-    if not engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease):
+    try:
+        renewed = engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease)
+    except redis.RedisError:
+        # Whether we hold the slot is unknown until Redis is back: hand the job to the
+        # pending sweep, which admits it again (or finds it held) and publishes it then.
+        Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
+            status=JobStatus.QUEUED, admitted_at=None
+        )
+        return "engine_unreachable"
+    if not renewed:
         # The hold was reclaimed before we started (the dispatch lease ran out): the job has
         # been or will be re-delivered under a new generation.
         return "lost"
@@ -90,10 +106,21 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
         stats.count(f"finished:{fields['status']}")
-    hint = key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
-    job_release(tag=tag, engine_id=job.engine_id, keys=hint)
-    live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
+    job_release_or_defer(job)
+    try:
+        live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
+    except Exception:  # a statistic; the job's outcome is already recorded
+        log.warning("could not record the duration of job %s", job_id, exc_info=True)
     return outcome
+
+
+def _release_if_finished(job_id: str, generation: int) -> None:
+    """A delivery of a job that finished (say, cancelled while its admission was in
+    flight) may still hold the slots it was admitted with: give them back now rather than
+    when its dispatch lease runs out. A no-op in the engine if nothing is held."""
+    job = Job.objects.filter(id=job_id, generation=generation, status__in=sorted(TERMINAL_STATUSES)).first()
+    if job is not None and job.engine_tag:
+        job_release_or_defer(job)
 
 
 def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:

@@ -13,6 +13,7 @@ jobs in a single burst: the floor is earned by behaviour, not by spikes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import statistics
 import threading
@@ -64,6 +65,9 @@ def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], 
 
 SHARES_KEY = "fq:limits:idle_share"  # HASH slug -> bonus; expires if no worker ticks
 SHARES_TTL_SECONDS = 3
+# HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
+# away from (fairqueue.jobs.moves publishes it; empty but during a move).
+HELD_ELSEWHERE_KEY = "fq:limits:held_elsewhere"
 
 
 def rate_key(slug: str) -> str:
@@ -107,6 +111,8 @@ class FleetState:
     in_flight: int = 0  # non-batch jobs holding their slots across all shards
     batch_in_flight: int = 0
     batch_by_shard: dict[str, int] = field(default_factory=dict)
+    held_elsewhere: dict[str, int] = field(default_factory=dict)
+    policy_version: int = -1
     at: float = 0.0
 
     @property
@@ -150,7 +156,12 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
             pending, entry.pending, entry.flushed_at = entry.pending, 0, time.monotonic()
     if due:
         # A tenant that only submits (a burst) still reaches the ring within a second.
-        _ring_add(tenant_slug, pending, time.time())
+        try:
+            _ring_add(tenant_slug, pending, time.time())
+        except redis.RedisError:
+            # A statistic never fails a submit: keep the count for the next flush.
+            with _lock:
+                entry.pending += pending
 
 
 def _ring_add(slug: str, count: int, now: float) -> None:
@@ -222,12 +233,15 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
     """The cached fleet state; refreshed at most once per `max_age` per process."""
     global _fleet
     now = time.monotonic()
-    if now - _fleet.at < max_age:
+    policy = policy_snapshot()
+    # A policy change (a tenant moved) may come with slots held elsewhere: read them with it.
+    if now - _fleet.at < max_age and _fleet.policy_version == policy.version:
         return _fleet
     fleet = fleet_read()
     in_flight = 0
     batch_by_shard: dict[str, int] = {}
-    for shard in policy_snapshot().shards:
+    held = {str(k): int(v) for k, v in redis_client().hgetall(HELD_ELSEWHERE_KEY).items()}
+    for shard in policy.shards:
         counts = engine().counts(tag=shard_tag(shard), keys=[SHARD_KEY, BATCH_KEY])
         batch_by_shard[shard] = counts.get(BATCH_KEY, 0)
         in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0)
@@ -240,6 +254,8 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
         in_flight=max(in_flight, 0),
         batch_in_flight=batch,
         batch_by_shard=batch_by_shard,
+        held_elsewhere=held,
+        policy_version=policy.version,
         at=now,
     )
     return _fleet
@@ -258,13 +274,30 @@ def live_signals(*, tenant_slug: str) -> LiveSignals:
             entry.signals = LiveSignals(rate_per_min=rate, mean_seconds=mean)
             entry.fetched_at = now
     base = entry.signals
+    tenant = policy_snapshot().tenants.get(tenant_slug)
     return LiveSignals(
         rate_per_min=base.rate_per_min,
         mean_seconds=base.mean_seconds,
         pool_slots=fleet.slots,
         in_flight=fleet.in_flight,
         idle_share=entry.idle_share,
+        held_elsewhere=fleet.held_elsewhere.get(f"t:{tenant_slug}", 0),
+        shard_held_elsewhere=fleet.held_elsewhere.get(f"s:{tenant.shard}", 0) if tenant else 0,
     )
+
+
+def held_elsewhere_publish(held: dict[str, int], *, drop: list[str] | tuple[str, ...] = ()) -> None:
+    """Publish slots held at places tenants or shards were moved away from (field by field:
+    `held` set, `drop` gone), and use them in this process at once."""
+    global _fleet
+    pipe = redis_client().pipeline(transaction=True)
+    if held:
+        pipe.hset(HELD_ELSEWHERE_KEY, mapping=dict[Any, Any](held))
+    if drop:
+        pipe.hdel(HELD_ELSEWHERE_KEY, *drop)
+    pipe.execute()
+    merged = {k: v for k, v in {**_fleet.held_elsewhere, **held}.items() if k not in drop}
+    _fleet = dataclasses.replace(_fleet, held_elsewhere=merged)
 
 
 def idle_shares_publish(shares: dict[str, int]) -> None:

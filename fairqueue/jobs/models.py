@@ -18,6 +18,9 @@ class JobStatus(models.TextChoices):
 
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 WAITING_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED})
+UNFINISHED_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED, JobStatus.RUNNING})
+# Key names never contain a space (sub-tenant ids are printable ASCII without spaces).
+KEY_SEPARATOR = " "
 
 
 class Job(models.Model):
@@ -49,6 +52,15 @@ class Job(models.Model):
     result_ref = models.CharField(max_length=300, blank=True, default="")
     error = models.TextField(blank=True, default="")
     error_reason = models.CharField(max_length=32, blank=True, default="", db_index=True)
+    # Where this generation was admitted: every later engine call for it (renew, release,
+    # cancel, promote) goes there, whatever has been renamed or moved since.
+    engine_tag = models.CharField(max_length=100, blank=True, default="", help_text="Engine hash tag.")
+    engine_keys = models.CharField(
+        max_length=700, blank=True, default="", help_text="Engine key names, space-separated (canonical order)."
+    )
+    release_pending = models.BooleanField(
+        default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
+    )
 
     class Meta:
         ordering = ["-submitted_at"]
@@ -59,7 +71,13 @@ class Job(models.Model):
                 name="unique_idempotency_key_per_tenant",
             ),
         ]
-        indexes = [models.Index(fields=["tenant", "status", "submitted_at"])]
+        indexes = [
+            models.Index(fields=["tenant", "status", "submitted_at"]),
+            models.Index(fields=["engine_tag", "status"], name="job_engine_tag_status"),
+            models.Index(
+                fields=["release_pending"], condition=models.Q(release_pending=True), name="job_release_pending"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.task} {self.id}"
@@ -68,6 +86,10 @@ class Job(models.Model):
     def in_batch_lane(self) -> bool:
         """Batch jobs wait for idle capacity until promoted."""
         return self.batch and self.promoted_at is None
+
+    @property
+    def engine_key_names(self) -> list[str]:
+        return self.engine_keys.split(KEY_SEPARATOR) if self.engine_keys else []
 
     @property
     def engine_id(self) -> str:

@@ -7,6 +7,7 @@ none is written.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Sequence
@@ -17,15 +18,19 @@ from django.db import IntegrityError, transaction
 from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
-from fairqueue.jobs.models import Job
+from fairqueue.jobs.models import KEY_SEPARATOR, Job
 from fairqueue.jobs.registry import task_get
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
+IDEMPOTENCY_RACE_RETRIES = 3
+
+log = logging.getLogger("fairqueue.jobs.submission")
 
 
 @dataclass(frozen=True)
@@ -84,8 +89,15 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
+    engine_tag, names = (
+        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
+        if tenant_policy is not None
+        else ("", [])  # not synced yet: the first admission stores where it went
+    )
     return Job(
         id=uuid.uuid4(),
+        engine_tag=engine_tag,
+        engine_keys=KEY_SEPARATOR.join(names),
         tenant=tenant,
         sub_tenant=sub,
         task=req.task,
@@ -122,36 +134,64 @@ def job_submit(*, tenant: Tenant, req: JobRequest) -> SubmitResult:
 
 
 def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool = False) -> list[SubmitResult]:
-    """Accept many jobs in one go: all valid or none written; Redis work in one pipeline."""
+    """Accept many jobs in one go: all valid or none written; Redis work in one pipeline.
+
+    Once the rows are committed the answer is a success, whatever happens to the live
+    signals or the engine after that: a job that could not be admitted stays `queued`
+    and the pending sweep admits it (fairqueue.jobs.recovery).
+    """
     policy = policy_snapshot()
     keys = [r.idempotency_key for r in reqs if r.idempotency_key is not None]
     if len(keys) != len(set(keys)):
         raise JobError(400, "duplicate_idempotency_key", "Two jobs in one request share an idempotency key.", "jobs")
-    existing: dict[str, Job] = {}
-    if keys:
-        existing = {j.idempotency_key: j for j in Job.objects.filter(tenant=tenant, idempotency_key__in=keys)}  # type: ignore[misc]
-    results: list[SubmitResult | None] = []
-    fresh: list[Job] = []
-    for i, req in enumerate(reqs):
-        if req.idempotency_key is not None and req.idempotency_key in existing:
-            results.append(SubmitResult(existing[req.idempotency_key], created=False))
-            continue
-        fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
-        results.append(None)
-    if fresh:
+    for attempt in range(IDEMPOTENCY_RACE_RETRIES + 1):
+        existing: dict[str, Job] = {}
+        if keys:
+            existing = {j.idempotency_key: j for j in Job.objects.filter(tenant=tenant, idempotency_key__in=keys)}  # type: ignore[misc]
+        results: list[SubmitResult | None] = []
+        fresh: list[Job] = []
+        for i, req in enumerate(reqs):
+            if req.idempotency_key is not None and req.idempotency_key in existing:
+                results.append(SubmitResult(existing[req.idempotency_key], created=False))
+                continue
+            fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
+            results.append(None)
+        if not fresh:
+            return [r for r in results if r is not None]
         _offload_large_args(fresh)
         try:
             with transaction.atomic():
                 Job.objects.bulk_create(fresh)
-        except IntegrityError:
-            # A concurrent request won the race on an idempotency key: answer with its jobs.
+        except IntegrityError as exc:
             _discard_offloaded(fresh)
-            return job_submit_bulk(tenant=tenant, reqs=reqs, single=single)
+            # A concurrent request won the race on an idempotency key: answer with its jobs.
+            # Any other integrity error (or a race that keeps repeating) is not retried.
+            if not keys or not _idempotency_taken(tenant, keys, existing) or attempt == IDEMPOTENCY_RACE_RETRIES:
+                log.error("submit refused by the database: %s", exc)
+                raise JobError(
+                    409, "conflict", "The job could not be stored; nothing was written. Check the request and retry."
+                ) from None
+            continue
         except BaseException:
             _discard_offloaded(fresh)
             raise
-        live.record_submissions(tenant_slug=tenant.slug, count=len(fresh))
-        stats.count("submitted", len(fresh))
-        jobs_admit(fresh, policy=policy)
-    it = iter(fresh)
-    return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
+        _after_commit(tenant=tenant, jobs=fresh, policy=policy)
+        it = iter(fresh)
+        return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
+def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) -> bool:
+    """True if another request stored one of `keys` since we looked: the race to answer."""
+    return Job.objects.filter(tenant=tenant, idempotency_key__in=keys).exclude(idempotency_key__in=list(seen)).exists()
+
+
+def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot) -> None:
+    """Best-effort work after the rows are committed: signals, counters, admission.
+    Nothing here may turn an accepted submit into an error."""
+    try:
+        live.record_submissions(tenant_slug=tenant.slug, count=len(jobs))
+        stats.count("submitted", len(jobs))
+        jobs_admit(jobs, policy=policy)
+    except Exception:
+        log.exception("%d accepted job(s) not admitted now; the pending sweep admits them", len(jobs))
