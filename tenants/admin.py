@@ -16,18 +16,49 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
-from tenants.selectors import tenant_live_state
+from tenants.selectors import tenant_live_state, tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
+
+CONFIRM_MOVE_HELP = "Tick after reading what the move does to unfinished jobs (shown when saving would move any)."
+
+
+def confirm_move_check(form: forms.ModelForm, tenants: QuerySet[Tenant], change: str) -> None:
+    """Before a save that moves or renames tenants with unfinished jobs, say what it will
+    do to them and ask for confirmation (the `confirm_move` box) instead of saving."""
+    if form.cleaned_data.get("confirm_move"):
+        return
+    preview = tenants_move_preview(tenants=tenants)
+    if preview:
+        raise forms.ValidationError(
+            f"{change} {' '.join(preview)} Tick “Confirm move” and save again to go ahead.", code="confirm_move"
+        )
+
 
 # --- Shards and latency classes ----------------------------------------------------------
 
 
+class ShardAdminForm(forms.ModelForm):
+    confirm_move = forms.BooleanField(required=False, label="Confirm move", help_text=CONFIRM_MOVE_HELP)
+
+    class Meta:
+        model = Shard
+        fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        old, new = self.instance.name, data.get("name")
+        if self.instance.pk is not None and new and new != old:
+            confirm_move_check(self, Tenant.objects.filter(shard=self.instance), f"Renaming shard {old} to {new}:")
+        return data
+
+
 @admin.register(Shard)
 class ShardAdmin(admin.ModelAdmin):
+    form = ShardAdminForm
     list_display = ["name", "capacity", "tenant_count", "updated_at"]
     search_fields = ["name"]
     readonly_fields = ["updated_at"]
-    fields = ["name", "capacity", "updated_at"]
+    fields = ["name", "capacity", "confirm_move", "updated_at"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Shard]:
         return super().get_queryset(request).annotate(_tenant_count=Count("tenants"))
@@ -92,9 +123,26 @@ class SubTenantInline(admin.TabularInline):
 
 
 class TenantAdminForm(forms.ModelForm):
+    confirm_move = forms.BooleanField(required=False, label="Confirm move", help_text=CONFIRM_MOVE_HELP)
+
     class Meta:
         model = Tenant
         fields = "__all__"
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        tenant = self.instance
+        if tenant.pk is None:
+            return data
+        shard, slug = data.get("shard"), data.get("slug")
+        changes = []
+        if shard is not None and shard.pk != tenant.shard_id:
+            changes.append(f"moving {tenant.slug} from shard {tenant.shard.name} to {shard.name}")
+        if slug and slug != tenant.slug:
+            changes.append(f"renaming {tenant.slug} to {slug}")
+        if changes:
+            confirm_move_check(self, Tenant.objects.filter(pk=tenant.pk), " and ".join(changes).capitalize() + ":")
+        return data
 
     def clean_max_concurrency(self) -> int | None:
         value: int | None = self.cleaned_data.get("max_concurrency")
@@ -137,7 +185,7 @@ class TenantAdmin(admin.ModelAdmin):
     readonly_fields = ["api_key_prefix", "api_key_rotated_at", "created_at", "updated_at", "live_state"]
     actions = ["rotate_api_keys", "activate", "deactivate"]
     fieldsets = [
-        (None, {"fields": ["slug", "name", "active", "shard"]}),
+        (None, {"fields": ["slug", "name", "active", "shard", "confirm_move"]}),
         (
             "Concurrency",
             {

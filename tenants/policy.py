@@ -20,6 +20,7 @@ import redis
 
 from tenants import keys
 from tenants.redis_client import get_redis
+from tenants.sync import policy_sync_all
 
 log = logging.getLogger("fairqueue.tenants.policy")
 
@@ -183,8 +184,6 @@ def _resync_from_database(client: redis.Redis) -> bool:
     token = uuid.uuid4().hex
     if not client.set(keys.RESYNC_LOCK_KEY, token, nx=True, ex=RESYNC_LOCK_SECONDS):
         return False
-    from tenants.sync import policy_sync_all  # the sync services import models; keep this module light
-
     try:
         result = policy_sync_all()
         log.warning(

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from django.db.models import QuerySet
 
 from tenants import keys
 from tenants.models import Tenant
@@ -22,6 +23,21 @@ def tenant_authenticate(*, raw_key: str) -> Tenant | None:
     if tenant is None or not tenant.check_api_key(raw_key):
         return None
     return tenant
+
+
+MovePreviewProvider = Callable[[QuerySet[Tenant]], str | None]
+_move_preview_providers: list[MovePreviewProvider] = []
+
+
+def move_preview_provider_register(provider: MovePreviewProvider) -> None:
+    """Let the jobs side say what moving or renaming tenants would do to their jobs."""
+    if provider not in _move_preview_providers:
+        _move_preview_providers.append(provider)
+
+
+def tenants_move_preview(*, tenants: QuerySet[Tenant]) -> list[str]:
+    """What moving or renaming these tenants (or their shard) would do, for the admin."""
+    return [text for provider in _move_preview_providers if (text := provider(tenants))]
 
 
 LiveStateProvider = Callable[[Tenant], dict[str, Any]]

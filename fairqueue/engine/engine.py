@@ -16,7 +16,7 @@ import redis.asyncio
 from redis.exceptions import ResponseError
 
 from . import ops
-from .keys import key_name, validate_prefix
+from .keys import READY_FIELD, key_name, validate_prefix
 from .results import (
     Admission,
     AdmitRequest,
@@ -217,6 +217,14 @@ class Engine(_Base):
         ``require_ready`` admits do nothing on a tag that is not ready, which is what keeps
         a newcomer out of a tag whose state Redis lost until the caller has rebuilt it."""
         return self._run(ops.init_tag(self.prefix, tag=tag))
+
+    def ready_tags(self, tags: Iterable[str]) -> set[str]:
+        """Which of `tags` are ready (see init_tag): one pipelined round trip."""
+        tags = list(tags)
+        pipe = self.client.pipeline(transaction=False)
+        for tag in tags:
+            pipe.hexists(key_name(self.prefix, tag, "state"), READY_FIELD)
+        return {tag for tag, ready in zip(tags, pipe.execute(), strict=True) if ready}
 
     def check_invariants(self, *, tag: str) -> list[str]:
         """O(state) audit of one tag's consistency; empty when sound. Tests and ops only."""

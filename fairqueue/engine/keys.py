@@ -29,6 +29,9 @@ KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases", "clock")
 #: Bump it with any change to them.
 LAYOUT = 4
 
+#: The ``state`` field that marks a tag ready (``READY`` in lua/_lib.lua).
+READY_FIELD = "\x01ready"
+
 
 def validate_tag(tag: str) -> None:
     """A tag must be a non-empty brace-free string, or the hash slot would not be shared."""

@@ -9,9 +9,11 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
-        # Register the demo tasks and the worker's signal handlers in every process.
-        from fairqueue.jobs import demo_tasks, worker  # noqa: F401
+        # Register the demo tasks, the worker's and the admin's signal handlers in every process.
+        from fairqueue.jobs import demo_tasks, signals, worker  # noqa: F401
+        from fairqueue.jobs.moves import tenants_move_preview
         from fairqueue.jobs.selectors import tenant_admin_live_state
-        from tenants.selectors import live_state_provider_register
+        from tenants.selectors import live_state_provider_register, move_preview_provider_register
 
         live_state_provider_register(tenant_admin_live_state)
+        move_preview_provider_register(tenants_move_preview)

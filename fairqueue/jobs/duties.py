@@ -8,18 +8,23 @@ database, so running it from several processes at once is safe.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from datetime import timedelta
 
 from django.utils import timezone
 
 from fairqueue.jobs import live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
-from fairqueue.jobs.models import Job, JobStatus
-from fairqueue.jobs.recovery import jobs_admit_pending, state_ensure
+from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.moves import moves_track
+from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.runtime import engine
 from tenants.limits import idle_shares
-from tenants.policy import policy_snapshot
+from tenants.policy import PolicySnapshot, policy_snapshot
+
+log = logging.getLogger("fairqueue.jobs.duties")
 
 # Unheld slots are shared out up to slots * (1 + OVERCOMMIT): a job in transit to a worker
 # holds a slot it is not yet using, and without a little overcommit workers would idle.
@@ -28,11 +33,12 @@ BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting ba
 SWEEP_JOBS_PER_TAG = 100
 
 
-def sweep_once() -> int:
-    """Reclaim expired leases on every shard; returns how many jobs were reclaimed."""
+def sweep_once(extra_tags: list[str] | tuple[str, ...] = ()) -> int:
+    """Reclaim expired leases on every shard's tag (and `extra_tags`: places tenants were
+    moved away from); returns how many jobs were reclaimed."""
     total = 0
-    results = engine().sweep([shard_tag(s) for s in policy_snapshot().shards], max_jobs_per_tag=SWEEP_JOBS_PER_TAG)
-    for result in results.values():
+    tags = sorted({shard_tag(s) for s in policy_snapshot().shards} | set(extra_tags))
+    for result in engine().sweep(tags, max_jobs_per_tag=SWEEP_JOBS_PER_TAG).values():
         if result.reclaimed or result.woken:
             outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
         total += len(result.reclaimed)
@@ -40,42 +46,73 @@ def sweep_once() -> int:
 
 
 def scheduler_tick() -> None:
-    """The periodic duties any worker may perform; all are atomic and safe to overlap."""
-    state_ensure()
-    sweep_once()
-    limits_refresh()
-    batch_promote_due()
-    jobs_admit_pending()
+    """The periodic duties any worker may perform; all are atomic and safe to overlap.
+    Each runs on its own: one failing (say, the database) does not stop the others."""
+    old_tags: list[str] = []
+
+    def track_moves() -> None:
+        old_tags.extend(moves_track(policy_snapshot()))
+
+    duties: list[Callable[[], object]] = [
+        state_ensure,
+        track_moves,
+        lambda: sweep_once(old_tags),
+        limits_refresh,
+        batch_promote_due,
+        jobs_admit_pending,
+        releases_pending,
+        reconcile,
+    ]
+    for duty in duties:
+        try:
+            duty()
+        except Exception:
+            log.exception("periodic duty %s failed", getattr(duty, "__name__", duty))
 
 
-def batch_promote_due(*, now: float | None = None, limit: int = 200) -> int:
+def batch_promote_due(*, limit: int = 200) -> int:
     """Move batch jobs out of the idle-capacity lane before their objective would be missed.
 
-    A job is promoted once it has waited PROMOTE_AT of the batch objective; from then on it
-    is admitted like any job of its latency class. Safe to run from many processes: the
-    engine's cancel is atomic, so exactly one of them re-admits each job.
+    A job is promoted once it has waited BATCH_PROMOTE_AT of the batch objective; from then
+    on it is admitted like any job of its latency class.
     """
     policy = policy_snapshot()
-    objective = policy.pool.batch_objective_seconds
-    cutoff = timezone.now() - timedelta(seconds=objective * BATCH_PROMOTE_AT)
+    cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
         .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED, submitted_at__lte=cutoff)
         .order_by("submitted_at")[:limit]
     )
-    promoted: list[Job] = []
-    for job in due:
-        result = engine().cancel(tag=shard_tag(job.tenant.shard.name), job_id=job.engine_id)
-        if not result.cancelled:
-            continue  # woken meanwhile, or another process promoted it
-        outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
-        job.promoted_at = timezone.now()
-        job.generation += 1
-        job.status = JobStatus.QUEUED
-        Job.objects.filter(id=job.id).update(promoted_at=job.promoted_at, generation=job.generation, status=job.status)
-        promoted.append(job)
+    promoted = [job for job in due if batch_promote(job, policy=policy)]
     jobs_admit(promoted, policy=policy)
     return len(promoted)
+
+
+def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
+    """Take one parked batch job out of the batch lane (the caller admits it again).
+
+    Safe against every other transition: the engine's cancel is atomic (of two promoters
+    one wins; a job woken meanwhile stays where it is), and the row changes only if it is
+    still this generation, parked and unpromoted (a job cancelled meanwhile stays cancelled).
+    """
+    result = engine().cancel(tag=job.engine_tag, job_id=job.engine_id)
+    if not result.cancelled:
+        return False
+    outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
+    tenant = policy.tenants.get(job.tenant.slug)
+    promoted_at = timezone.now()
+    fields = {"promoted_at": promoted_at, "generation": job.generation + 1, "status": JobStatus.QUEUED}
+    if tenant is not None:
+        tag, names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=False)
+        fields.update(engine_tag=tag, engine_keys=KEY_SEPARATOR.join(names))
+    won = Job.objects.filter(
+        id=job.id, generation=job.generation, status=JobStatus.PARKED, promoted_at__isnull=True
+    ).update(**fields)
+    if not won:
+        return False
+    for name, value in fields.items():
+        setattr(job, name, value)
+    return True
 
 
 def limits_refresh() -> int:
@@ -112,7 +149,8 @@ def limits_refresh() -> int:
     live.idle_shares_publish(shares)
     woken = 0
     for shard_name, shard in policy.shards.items():
-        limits = {SHARD_KEY: shard.capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
+        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
+        limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
         for tp in policy.tenants.values():
             if tp.shard == shard_name:
                 limits[tenant_key(tp.slug)] = tenant_limit_for(policy, tp, live.live_signals(tenant_slug=tp.slug)).limit

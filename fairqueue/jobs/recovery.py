@@ -1,92 +1,138 @@
-"""Rebuilding scheduling state from the database, the source of truth.
+"""Keeping the engine's state in line with the database, the source of truth.
 
-Redis may restart empty or be flushed. Any worker notices on its next tick (the state
-marker is gone) and, under a lock, re-enters every unfinished job:
-- `running` jobs are re-admitted as holders without being dispatched again: a live
-  worker keeps renewing its lease and finishes normally; a dead one's lease runs out and
-  the job is reclaimed like any other;
-- `queued`/`parked` jobs are re-admitted in their original submission order, so the
-  waiter queues come back FIFO, and admitted ones are dispatched (duplicate broker
+Rebuild. Redis may restart empty or be flushed; each engine tag then reads as not ready.
+Any worker notices on its next tick and, under that tag's lock, re-enters every
+unfinished job of the tag, reading rows in chunks:
+- `running` jobs are re-admitted as holders where they were admitted, without being
+  dispatched again: a live worker keeps renewing its lease and finishes normally; a dead
+  one's lease runs out and the job is reclaimed like any other;
+- `queued`/`parked` jobs of the tag's tenants are re-admitted in submission order, so
+  the waiter queues come back FIFO, and admitted ones are dispatched (duplicate broker
   messages, if any survived, are stopped by the claim guard).
-Engine ids are kept (no new generation), so re-admission is idempotent. Until the rebuild
-marks each shard's engine tag ready (`Engine.init_tag`), ordinary admissions on it do
-nothing (`require_ready`): a newcomer cannot take a slot a still-running job holds.
+Engine ids are kept (no new generation), so re-admission is idempotent. The tag is marked
+ready only once every row is back: a Redis error half-way leaves it not ready, and the
+next tick rebuilds it again. Until then ordinary admissions on it do nothing
+(`require_ready`): a newcomer cannot take a slot a still-running job holds.
 
-Jobs accepted while Redis was unreachable sit `queued` with no admission; the same tick
-admits them once they are a few seconds old.
+Pending. Jobs accepted while Redis was unreachable (or whose delivery could not be
+published) sit `queued` with no admission; each tick admits them once a few seconds old.
+
+Reconcile. Each tick also checks a bounded number of unfinished rows against the engine
+and re-enters those whose engine state is missing (a parked row that is not parked, an
+admitted or running one without a hold), when seen missing on two ticks in a row (a
+transition in flight is not mistaken for a loss). It frees the slots of finished jobs
+whose release could not reach Redis (`release_pending`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 
-from django.db.models import QuerySet
+import redis
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from fairqueue.engine.keys import LAYOUT
 from fairqueue.jobs.admission import shard_tag
-from fairqueue.jobs.dispatch import jobs_admit
+from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
 
 log = logging.getLogger("fairqueue.recovery")
 
-# Named after the engine's data layout: code with a new layout finds no marker and
-# rebuilds its (new, empty) state from the database, as after a loss of Redis data.
-STATE_KEY = f"fq:state:built:v{LAYOUT}"
-REBUILD_LOCK_KEY = "fq:state:rebuild_lock"
+REBUILD_LOCK_PREFIX = "fq:state:rebuild_lock:"  # + tag
 REBUILD_LOCK_SECONDS = 120
 CHUNK = 500
 PENDING_GRACE_SECONDS = 5.0
+RECONCILE_ROWS_PER_TICK = 20
+RECONCILE_CURSOR_KEY = "fq:reconcile:cursor"  # the last (submitted_at, id) checked
+RECONCILE_SUSPECTS_KEY = "fq:reconcile:suspects"  # HASH engine id -> status seen missing
+RELEASES_PER_TICK = 200
+RECONCILE_SUSPECTS_TTL_SECONDS = 60
+
+# Delete the lock only if it is still ours (it may have expired and been taken since).
+_UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
-def state_ensure() -> bool:
-    """Rebuild Redis scheduling state if it was lost; True if this call rebuilt it."""
+def state_ensure() -> list[str]:
+    """Rebuild every shard's engine tag that is not ready; returns the tags rebuilt."""
+    policy = policy_snapshot()  # also resyncs policy if Redis lost it
+    tags = {shard_tag(name): name for name in policy.shards}
+    ready = engine().ready_tags(tags)
+    rebuilt = []
+    for tag, shard in tags.items():
+        if tag not in ready and tag_rebuild(tag=tag, shard=shard):
+            rebuilt.append(tag)
+    return rebuilt
+
+
+def tag_rebuild(*, tag: str, shard: str) -> bool:
+    """Re-enter every unfinished job of one tag, then mark it ready; all or nothing.
+    False if another process holds the tag's rebuild lock or the rebuild failed."""
     client = redis_client()
-    if client.exists(STATE_KEY):
-        return False
-    token = uuid.uuid4().hex
-    if not client.set(REBUILD_LOCK_KEY, token, nx=True, ex=REBUILD_LOCK_SECONDS):
-        return False  # another process is rebuilding
+    lock, token = REBUILD_LOCK_PREFIX + tag, uuid.uuid4().hex
     try:
-        counts = state_rebuild()
-        client.set(STATE_KEY, f"{time.time():.3f}")
-        if any(counts.values()):
-            log.warning("Redis had lost scheduling state; rebuilt from the database: %s", counts)
+        if not client.set(lock, token, nx=True, ex=REBUILD_LOCK_SECONDS):
+            return False
+    except redis.RedisError:
+        log.warning("could not take the rebuild lock of %s; retried next tick", tag, exc_info=True)
+        return False
+    try:
+        counts = _rebuild(tag=tag, shard=shard)
+        engine().init_tag(tag=tag)
+    except Exception:
+        log.exception("rebuild of %s failed; it stays not ready and is retried next tick", tag)
+        return False
     finally:
-        if client.get(REBUILD_LOCK_KEY) == token:
-            client.delete(REBUILD_LOCK_KEY)
+        try:
+            client.eval(_UNLOCK, 1, lock, token)
+        except redis.RedisError:
+            log.warning("could not release the rebuild lock of %s; it expires", tag, exc_info=True)
+    if any(counts.values()):
+        log.warning("Redis had lost the scheduling state of %s; rebuilt from the database: %s", tag, counts)
     return True
 
 
-def _chunks(qs: QuerySet[Job]) -> list[list[Job]]:
-    jobs = list(qs.select_related("tenant__shard").order_by("submitted_at", "id"))
-    return [jobs[i : i + CHUNK] for i in range(0, len(jobs), CHUNK)]
+def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
+    """Rows in submission order, read from the database a chunk at a time."""
+    chunk: list[Job] = []
+    for job in qs.select_related("tenant__shard").order_by("submitted_at", "id").iterator(chunk_size=CHUNK):
+        chunk.append(job)
+        if len(chunk) == CHUNK:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
-def state_rebuild() -> dict[str, int]:
-    """Re-enter every unfinished job into the engine, oldest first."""
-    policy = policy_snapshot()  # also resyncs policy if Redis lost it
+def _rebuild(*, tag: str, shard: str) -> dict[str, int]:
+    policy = policy_snapshot()
+    placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
     running = 0
-    for chunk in _chunks(Job.objects.filter(status=JobStatus.RUNNING)):
-        jobs_admit(chunk, policy=policy, dispatch=False, running=True, rebuilding=True)
+    for chunk in _chunks(Job.objects.filter(placed_here, status=JobStatus.RUNNING)):
+        jobs_admit(chunk, policy=policy, dispatch=False, running=True, rebuilding=True, strict=True)
         running += len(chunk)
+    # Waiting jobs of this shard's tenants still placed where the engine lost its state too
+    # (a place they were moved away from) come back here, where their tenant is now.
+    waiting_on_shard = Job.objects.filter(tenant__shard__name=shard, status__in=[JobStatus.QUEUED, JobStatus.PARKED])
+    elsewhere = set(waiting_on_shard.exclude(engine_tag__in=[tag, ""]).values_list("engine_tag", flat=True).distinct())
+    lost = elsewhere - engine().ready_tags(elsewhere)
     waiting = 0
-    for chunk in _chunks(Job.objects.filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])):
-        jobs_admit(chunk, policy=policy, rebuilding=True)
+    for chunk in _chunks(waiting_on_shard.filter(placed_here | Q(engine_tag__in=lost))):
+        for job in chunk:
+            if job.engine_tag in lost:
+                job.engine_tag, job.engine_keys = "", ""  # jobs_admit stores the current place
+        jobs_admit(chunk, policy=policy, rebuilding=True, strict=True)
         waiting += len(chunk)
-    # The engine state now holds every unfinished job: guarded admissions may go ahead.
-    for shard_name in policy.shards:
-        engine().init_tag(tag=shard_tag(shard_name))
     return {"running": running, "waiting": waiting}
 
 
 def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int = 1000) -> int:
-    """Admit jobs that were accepted but never reached the engine (Redis was unreachable)."""
+    """Admit jobs that were accepted but never reached the engine (Redis was unreachable,
+    or their delivery could not be published)."""
     cutoff = timezone.now() - timedelta(seconds=older_than)
     pending = list(
         Job.objects.select_related("tenant__shard")
@@ -96,3 +142,65 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
     if pending:
         jobs_admit(pending)
     return len(pending)
+
+
+def releases_pending(*, limit: int = RELEASES_PER_TICK) -> int:
+    """Free the slots of finished jobs whose release could not reach Redis at the time."""
+    done = 0
+    for job in Job.objects.filter(release_pending=True).order_by("finished_at")[:limit]:
+        result = engine().release(tag=job.engine_tag, job_id=job.engine_id, keys=job.engine_key_names or None)
+        outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
+        Job.objects.filter(id=job.id, generation=job.generation).update(release_pending=False)
+        done += 1
+    return done
+
+
+def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
+    """Check the next `rows` unfinished rows against the engine (a cursor walks the table
+    tick by tick); re-enter those missing from it on two ticks in a row. Returns how many
+    were re-entered."""
+    client = redis_client()
+    cursor = str(client.get(RECONCILE_CURSOR_KEY) or "")
+    after_time, after_id = cursor.split("|", 1) if cursor else ("", "")
+    candidates = Job.objects.select_related("tenant__shard").filter(
+        Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
+    )
+    qs = candidates.order_by("submitted_at", "id")
+    if after_time:
+        qs = qs.filter(Q(submitted_at__gt=after_time) | Q(submitted_at=after_time, id__gt=after_id))
+    batch = list(qs[:rows])
+    if len(batch) < rows:
+        client.delete(RECONCILE_CURSOR_KEY)  # the end: start over next tick
+    else:
+        client.set(RECONCILE_CURSOR_KEY, f"{batch[-1].submitted_at.isoformat()}|{batch[-1].id}")
+    ready = engine().ready_tags({j.engine_tag for j in batch if j.engine_tag})
+    missing: list[Job] = []
+    for job in batch:
+        if job.engine_tag not in ready:
+            continue  # a tag being rebuilt (or a row from before placements): the rebuild's
+        if engine().inspect_job(tag=job.engine_tag, job_id=job.engine_id).status != "unknown":
+            continue  # parked or holding: either is a state the row can be in (a handoff in flight)
+        seen = f"{job.status}|{job.generation}"
+        if client.hget(RECONCILE_SUSPECTS_KEY, job.engine_id) == seen:
+            client.hdel(RECONCILE_SUSPECTS_KEY, job.engine_id)
+            missing.append(job)
+        else:
+            client.hset(RECONCILE_SUSPECTS_KEY, job.engine_id, seen)
+    client.expire(RECONCILE_SUSPECTS_KEY, RECONCILE_SUSPECTS_TTL_SECONDS)
+    return _reenter(missing)
+
+
+def _reenter(jobs: list[Job]) -> int:
+    """Re-admit rows the engine lost, if each is still what it was when found missing."""
+    entered = 0
+    for job in jobs:
+        fresh = Job.objects.filter(id=job.id, generation=job.generation, status=job.status).exists()
+        if not fresh:
+            continue
+        log.warning("job %s (%s) was missing from the engine; re-entering it", job.engine_id, job.status)
+        if job.status == JobStatus.RUNNING:
+            jobs_admit([job], dispatch=False, running=True, rebuilding=True)
+        else:
+            jobs_admit([job], rebuilding=True)
+        entered += 1
+    return entered
