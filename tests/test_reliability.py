@@ -9,13 +9,15 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client, override_settings
 
+from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
-from fairqueue.jobs.recovery import STATE_KEY
+from fairqueue.jobs.runtime import engine
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
-DEAD_REDIS = "redis://127.0.0.1:1/15"  # nothing listens on port 1: a real connection failure
+DEAD_REDIS = "redis://127.0.0.1:1/15"
+TAG = shard_tag("default")  # make_tenant's shard  # nothing listens on port 1: a real connection failure
 
 
 def fq(**overrides: object) -> dict[str, object]:
@@ -28,10 +30,10 @@ class RedisLossTests(E2EBase):
         with WorkerProcess(slots=2):
             ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.4}})["id"] for _ in range(6)]
             wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).exists(), message="first job running")
-            wait_for(lambda: self.redis.exists(STATE_KEY), message="the worker to mark the state built")
+            wait_for(lambda: engine().ready_tags([TAG]), message="the worker to mark the state built")
             self.redis.flushdb()  # Redis restarted with nothing on disk
             jobs = self.wait_all_finished(ids, timeout=60)
-            wait_for(lambda: self.redis.exists(STATE_KEY), message="state rebuilt marker")
+            wait_for(lambda: engine().ready_tags([TAG]), message="state rebuilt marker")
         self.assertTrue(all(j.status == JobStatus.SUCCEEDED for j in jobs), [j.status for j in jobs])
         self.assertEqual(sorted(LedgerEntry.objects.values_list("writes", flat=True)), [1] * 6)
         by_id = {str(j.id): j for j in jobs}
@@ -45,7 +47,7 @@ class RedisLossTests(E2EBase):
         with WorkerProcess(slots=2):
             first = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 3.0}})["id"]
             wait_for(lambda: Job.objects.get(id=first).status == JobStatus.RUNNING, message="first job running")
-            wait_for(lambda: self.redis.exists(STATE_KEY), message="the worker to mark the state built")
+            wait_for(lambda: engine().ready_tags([TAG]), message="the worker to mark the state built")
             self.redis.flushdb()
             second = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.5}})
             self.assertEqual(second["status"], "queued")

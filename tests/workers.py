@@ -69,7 +69,7 @@ class WorkerProcess:
             preexec_fn=die_with_parent,  # a crashed test run leaves no worker behind
         )
         _started.append(self)
-        client = redis.Redis.from_url(settings.REDIS_URL)
+        client = redis.Redis.from_url(self.env["REDIS_URL"])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if client.zscore(SEEN_KEY, self.hostname) is not None:

@@ -1,0 +1,59 @@
+"""A private redis-server for tests that stop Redis for real (an outage) or break it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import redis
+
+from fairqueue.bench.stack import die_with_parent, free_port
+from tests.workers import LOG_DIR
+
+
+class RedisServer:
+    """redis-server on a free local port, keeping nothing on disk; stop() and start()
+    again is an outage after which it comes back empty, as a restarted Redis does."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (.ci/run installs it)")
+        self.binary = binary
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOG_DIR / f"redis-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.client().ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
