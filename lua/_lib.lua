@@ -16,18 +16,13 @@
 --                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
 --                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
 --                  when there are none)
---   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0)
+--   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0, see ENTRY_JOB)
 --   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
 -- Key names contain none of \0 \1 \2 \3 and job ids no \0, so the field kinds of `state` never
 -- collide and one HMGET reads a job's spec, its keys' counts and limits and the meta fields.
--- Spec: one string with a fixed-width header, so a state change rewrites the header and
--- reuses the rest verbatim, and the hot paths read single bytes instead of decoding
--- (cjson encode/decode cost more than the rest of an admit):
---   [1] n = index of the key the job is parked on, as a byte (#keys+1 when written by
---   admit)   [2] number of keys, as a byte   [3-4] 255-priority, 2 hex   [5-20] wait seq,
---   16 hex   [21..] tail = lease ms, 10 digits zero-padded .. key1 .. "\0" .. key2 ...
---   .. "\1" .. data (keys sorted, starting at byte 31)
+-- A job's spec (the "\2" field and the end of its wait entry) is one string with a
+-- fixed-width header: its layout and the names of its offsets are below (SPEC_*).
 -- A job is admitted iff it is in `leases` (then it holds all its keys and its spec's header
 -- is stale: a handoff that completes a job does not rewrite the spec); otherwise it is
 -- parked on key n, holds keys 1..n-1 and has its wait entry. The wait entry carries the
@@ -50,6 +45,31 @@ local IP, ip_cached = {}, 0
 local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and limits
 local NOSEQ = '0000000000000000'
 local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
+
+-- The spec, byte by byte (1-based, as string.byte and string.sub count):
+--   [1]      n: index of the key the job is parked on, as a byte (#keys+1 once admitted)
+--   [2]      number of keys, as a byte
+--   [3-4]    255-priority, 2 hex  \ the wait order: a wait entry copies these 18 bytes,
+--   [5-20]   wait seq, 16 hex     / so a key's queue sorts by priority, then arrival
+--   [21-30]  lease ms, 10 digits zero-padded (admit_job stores ARGV[3] as given)
+--   [31..]   key1 "\0" key2 ... (sorted) "\1" data
+-- Bytes 21.. (the tail) never change: a state change rewrites the 20-byte header and reuses
+-- the tail verbatim, and the hot paths read single bytes at these offsets instead of
+-- decoding the whole string. Upvalues, so naming them costs nothing on the hot paths.
+local SPEC_N, SPEC_NK = 1, 2 -- the parked-on key index, the key count
+local SPEC_PRIO = 3 -- first byte of the wait order (priority, then seq)
+local SPEC_SEQ = 5 -- first byte of the wait seq
+local SPEC_TAIL = 21 -- first byte of the tail, which starts with the lease
+local SPEC_LEASE_END = 30 -- last lease digit
+local SPEC_KEYS = 31 -- first byte of the first key name
+-- A wait entry is key "\0" <the spec's wait order, bytes SPEC_PRIO..SPEC_TAIL-1> "\0" job
+-- "\0" spec, so the job id starts at byte #key + ENTRY_JOB (after #key, "\0", 18 order
+-- bytes, "\0"); with z the "\0" that ends the job id, spec byte i is entry byte z + i.
+local ENTRY_JOB = 21
+-- Expired leases an operation other than the sweep reclaims when one is due: it bounds the
+-- extra work of any one call (reclaim_leases, the sweep, takes its max from the caller).
+-- Mirrored by INLINE_RECLAIM in fairqueue/engine/ops.py.
+local RECLAIM_BATCH = 8
 -- The clock key expires at CLOCK_END ms (year 33658); a PTTL read outside CLOCK_LEFT (a
 -- now before 2017 or after 2248) means someone else set it: TIME is used and it is reset.
 local CLOCK_END, CLOCK_END_S = 1e15, '1000000000000000'
@@ -148,8 +168,8 @@ end
 -- Every field of a spec (cold paths and multi-key grants; the hot paths read only the
 -- bytes they need, see release_job and handoff).
 local function parse(raw)
-  local y = find(raw, '\1', 31, true)
-  local ks = sub(raw, 31, y - 1)
+  local y = find(raw, '\1', SPEC_KEYS, true)
+  local ks = sub(raw, SPEC_KEYS, y - 1)
   local k, pos = {}, 0
   while true do
     local nxt = find(ks, '\0', pos + 1, true)
@@ -161,15 +181,16 @@ local function parse(raw)
     pos = nxt
   end
   return {
-    n = byte(raw, 1), nk = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = sub(raw, 21),
-    k = k, ls = lease_ms(sub(raw, 21, 30)), d = sub(raw, y + 1), raw = raw,
+    n = byte(raw, SPEC_N), nk = byte(raw, SPEC_NK), ip = sub(raw, SPEC_PRIO, SPEC_SEQ - 1),
+    q = sub(raw, SPEC_SEQ, SPEC_TAIL - 1), tail = sub(raw, SPEC_TAIL),
+    k = k, ls = lease_ms(sub(raw, SPEC_TAIL, SPEC_LEASE_END)), d = sub(raw, y + 1), raw = raw,
   }
 end
 
 -- Whether a spec's keys are exactly `names` (\0-separated, as stored): a release's hint is
 -- checked without splitting anything.
 local function has_keys(raw, names)
-  return byte(raw, 31 + #names) == 1 and find(raw, names, 31, true) == 31
+  return byte(raw, SPEC_KEYS + #names) == 1 and find(raw, names, SPEC_KEYS, true) == SPEC_KEYS
 end
 
 local function prio(spec)
@@ -177,9 +198,9 @@ local function prio(spec)
 end
 
 -- The wait entry of a job parked on `key` with spec string `raw`: ordered by key, then
--- priority, then arrival (header bytes 3..20); the rest makes the entry self-contained.
+-- priority, then arrival (the spec's wait order); the rest makes the entry self-contained.
 local function wait_member(key, raw, job)
-  return key .. '\0' .. sub(raw, 3, 20) .. '\0' .. job .. '\0' .. raw
+  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. raw
 end
 
 -- 1-based place of a parked job in its key's queue: O(log n).
@@ -251,13 +272,13 @@ end
 -- (or, on its last key, just lease it, reading only the bytes needed). Returns the job
 -- and its data when it now holds every key, nil when it parked on a later key.
 local function wake(m, klen)
-  local j = klen + 21
+  local j = klen + ENTRY_JOB
   local z = find(m, '\0', j, true)
   local job = sub(m, j, z - 1)
-  local n = byte(m, z + 1) + 1 -- the spec starts at m[z + 1]
-  if n > byte(m, z + 2) then
-    lease(job, lease_ms(sub(m, z + 21, z + 30)))
-    return job, sub(m, find(m, '\1', z + 31, true) + 1)
+  local n = byte(m, z + SPEC_N) + 1 -- the next key to take
+  if n > byte(m, z + SPEC_NK) then
+    lease(job, lease_ms(sub(m, z + SPEC_TAIL, z + SPEC_LEASE_END)))
+    return job, sub(m, find(m, '\1', z + SPEC_KEYS, true) + 1)
   end
   local spec = parse(sub(m, z + 1))
   if grant_rest(job, spec, n) then return job, spec.d end

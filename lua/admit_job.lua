@@ -4,7 +4,7 @@
 --       the spec stores it at a fixed place), data (opaque string),
 --       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
 --       limits ints >= 0.
--- Does, atomically: reclaim up to 8 expired leases; if job_id is known, nothing more
+-- Does, atomically: reclaim up to RECLAIM_BATCH (_lib.lua) expired leases; if job_id is known, nothing more
 -- (idempotent re-delivery: its current state is returned); else store each changed limit
 -- and hand on where a raised limit made room (before the newcomer competes: no barging);
 -- then take the keys in order, parking on the first full one. An idle key has no stored
@@ -25,7 +25,7 @@ local jf = '\2' .. job
 local f_job = 2 * nk + 1
 local r = admit_read(ARGV, nk, jf)
 read_due(r[f_job + 1])
-if reclaim_due(8, W, R) then r = admit_read(ARGV, nk, jf) end
+if reclaim_due(RECLAIM_BATCH, W, R) then r = admit_read(ARGV, nk, jf) end
 if ARGV[5] == '1' and not r[f_job + 3] then return reply({0, '', 0, 0, 1}, W, R) end
 local known = r[f_job]
 if known then -- idempotent re-delivery: report where the job is
