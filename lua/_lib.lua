@@ -347,9 +347,9 @@ end
 -- given, holds the counts and limits of the keys read beforehand (cl[co+2i-1], cl[co+2i]
 -- for key i); they are trusted only until a woken job writes counts of other keys.
 local function free_held(job, raw, k, ko, woken, admitted, cl, co)
-  local held = byte(raw, 2)
+  local held = byte(raw, SPEC_NK)
   if not admitted then
-    held = byte(raw, 1) - 1
+    held = byte(raw, SPEC_N) - 1
     call('ZREM', K_WAITS, wait_member(k[ko + held + 1], raw, job))
   end
   for i = 1, held do
@@ -375,7 +375,7 @@ local function drop(job, raw, k, ko, woken, admitted, cl, co)
   for i = #SETS, 1, -1 do SETS[i] = nil end -- emptied here, not after: one place to clear
   for i = #DELS, 2, -1 do DELS[i] = nil end
   DELS[1] = '\2' .. job
-  if byte(raw, 2) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
+  if byte(raw, SPEC_NK) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
   local removed = call('ZREM', K_LEASES, job)
   if admitted == nil then admitted = removed == 1 end
   free_held(job, raw, k, ko, woken, admitted, cl, co)
