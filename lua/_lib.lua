@@ -3,8 +3,8 @@
 -- The engine is one Redis Functions library (FUNCTION LOAD, called with FCALL): the loader
 -- (fairqueue/engine/scripts.py) puts this file first and wraps each lua/<op>.lua in a
 -- registered function. Helpers are therefore compiled and created once per library load,
--- not on every call as with EVAL, where this prologue alone cost about as much as two
--- Redis commands. Redis 7.0 exposes no globals (string, redis.call, ...) while a library
+-- not on every call as with EVAL, where this prologue was a large part of every call (figures
+-- in docs/engine.md, "Where the time goes"). Redis 7.0 exposes no globals (string, redis.call, ...) while a library
 -- loads, so they are bound on the first call (bind).
 --
 -- KEYS (identical for every operation, all under one `{tag}` hash slot, see keys.py):
@@ -35,12 +35,13 @@
 --
 -- Numbers cross into Redis as strings made here (int, ms) and come back through num: a
 -- Lua number passed to redis.call is printed with "%.17g" and tonumber() parses a string
--- twice: together ~9% of a release in a perf profile of redis-server (Redis 7.0).
+-- twice, both measurable in a release (docs/engine.md).
 local K_STATE, K_WAITS, K_LEASES, K_CLOCK
 local call, fmt, sub, find, byte, char, floor, unpack_
 -- IP["7"] = hex of 255-7, the priority part of a wait entry, cached for the priorities in
 -- use (at most 256 entries). Filled lazily: every object in the Functions VM is marked by
--- each GC cycle, which every FCALL pays for; a table of all 256 measured 0.1 µs per call.
+-- each GC cycle, which every FCALL pays for, so a table prefilled with all 256 costs calls
+-- that never use most of it.
 local IP, ip_cached = {}, 0
 local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and limits
 local NOSEQ = '0000000000000000'
@@ -75,10 +76,15 @@ local RECLAIM_BATCH = 8
 local CLOCK_END, CLOCK_END_S = 1e15, '1000000000000000'
 local CLOCK_LEFT_MIN, CLOCK_LEFT_MAX = 1e15 - 8.8e12, 1e15 - 1.5e12
 
--- Per-call state, set by clock() (Redis runs one function at a time).
+-- Per-call state, set at the start of every call (clock(), then read_due()): library-level
+-- locals outlive a call (Redis Functions keep the library's Lua state), but Redis runs one
+-- function at a time, so a call only ever sees its own values.
 local now -- Redis server time, ms: the single clock of the engine
 local due -- the stored "\1due" (number) or nil when no lease exists
-local touched -- a grant wrote counts of keys other than the one being handed on
+-- Set when a grant (a woken job going on to its later keys) wrote the count of a key other
+-- than the one being handed on: from then on the counts and limits a release read in its
+-- first HMGET may be stale, so drop/free_held read each key again (see free_held).
+local touched
 -- Woken and reclaimed job_id, data pairs of the current call. Reused (emptied by clock())
 -- rather than allocated per call: every table a call creates is measurable garbage.
 local W, R = {}, {}
@@ -118,16 +124,26 @@ local function num(s)
   if s then return VAL[s] or s + 0 end
 end
 
+-- Cross-call memos (this and key_s below). Unlike the per-call state above they are meant
+-- to outlive a call: Redis Functions keep library-level locals between calls, so the next
+-- call finds them. Each is keyed by the very string it was computed from and is used only
+-- when the new string is equal, so a value left by another call, another tag or another
+-- key can never be used wrongly; at worst it misses and is recomputed. (A library reload,
+-- FUNCTION FLUSH or a restart starts them empty.)
 -- The last "\1due" and lease strings converted, and their numbers. Both change rarely
 -- (the earliest expiry moves when that lease ends; leases come from a few settings), and
--- a string-to-number conversion (strtod) on every call measured ~0.1x the trivial script
--- each. Keyed by the string itself, so a stale entry can never give a wrong number.
+-- a string-to-number conversion (strtod) on every call is measurable (docs/engine.md).
 local due_s, due_n, ls_s, ls_n = false, nil, false, nil
--- The strings a one-key release builds from its key (the limit's field name, the queue's
+-- The strings a one-key release builds from its key (its limit's field name, its queue's
 -- lex range, the spec's keys part), for the last key released: consecutive releases hit
--- the same key when it is busy, and a key with waiters is one. A miss costs one compare.
--- Measured ~0.15x the trivial script saved on a busy key (bench engine-ab).
+-- the same key when it is busy, and a key with waiters is one. Keyed by the key itself,
+-- so a stale entry is never used; a miss costs one compare.
 local key_s, key_limit, key_lo, key_hi, key_spec = false, nil, nil, nil, nil
+
+-- Remember the strings of `key` (called on a miss only: key ~= key_s).
+local function key_strings(key)
+  key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
+end
 
 -- Set `due` from the stored "\1due" string (false when missing).
 local function read_due(s)
@@ -143,8 +159,8 @@ end
 
 -- Redis server time, read as CLOCK_END minus the clock key's PTTL (the same millisecond as
 -- TIME: both read the server's clock). TIME replies with an array, and a Lua table costs
--- Redis about as much as a whole command (TIME with its conversion measured twice a PTTL,
--- 0.8x against 0.4x the trivial script). The key is missing after a loss of data or an
+-- Redis about as much as a whole command (TIME with its conversion measured about twice a
+-- PTTL, docs/engine.md). The key is missing after a loss of data or an
 -- eviction (only it, of our keys, has an expiry): then TIME, and it is set again.
 local function clock()
   local left = call('PTTL', K_CLOCK)
@@ -474,8 +490,8 @@ end
 
 -- The reply of release and cancel: `found` (1|0) alone when nothing was woken or
 -- reclaimed; the one woken job of a found job as the string job_id .. "\0" .. data (job
--- ids hold no \0): a table reply costs Redis about half the trivial script, a string
--- almost nothing; otherwise the flat table {found, #woken, woken ..., reclaimed ...}.
+-- ids hold no \0): a table reply costs Redis far more than a string (docs/engine.md);
+-- otherwise the flat table {found, #woken, woken ..., reclaimed ...}.
 local function done(found)
   if #R == 0 then
     if #W == 0 then return found end

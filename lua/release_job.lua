@@ -10,11 +10,12 @@
 --          found and one job woken, nothing reclaimed; otherwise
 --          {found 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- Common path (one key handed to its head waiter): PTTL (the clock), HMGET, ZRANGEBYLEX,
--- ZREM, HDEL, ZREM, ZADD.
+-- ZREM, HDEL, ZREM, ZADD. A hinted one-key release at a full key takes the written-out
+-- busy-key path below; every other release goes through drop (_lib.lua).
 local job = ARGV[1]
 local left = call('PTTL', K_CLOCK)
 if left > CLOCK_LEFT_MIN and left < CLOCK_LEFT_MAX and #W == 0 and #R == 0 then
-  now, touched = CLOCK_END - left, false -- clock() without the call: see the hot path below
+  now, touched = CLOCK_END - left, false -- clock(), inline: see the busy-key path below
 else
   clock()
 end
@@ -23,9 +24,7 @@ local jf = '\2' .. job
 local key = ARGV[2]
 local r
 if nh == 1 then
-  if key ~= key_s then -- the strings a one-key release builds from its key, remembered
-    key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
-  end
+  if key ~= key_s then key_strings(key) end -- see key_s in _lib.lua
   r = call('HMGET', K_STATE, jf, DUE, key, key_limit)
 else
   local fields = {jf, DUE}
@@ -43,11 +42,15 @@ if not raw then
   return done(0)
 end
 if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEYS and not (due and due <= now) then
-  -- The hot path of a busy key, written out: the hint is right (the spec's keys are
-  -- exactly `key`), no lease is due and the key is at its limit (count == limit as stored
-  -- strings), so a release hands the slot to the head waiter. Written out with no helper
-  -- calls (a Lua call and a string.* call measured ~40-70 ns each) it measured ~0.5x the
-  -- trivial script less than through drop/handoff/wake (A/B in one run, docs/engine.md).
+  -- The release of a busy key, the engine's most frequent call, written out: the hint is
+  -- right (the spec's keys are exactly `key`), no lease is due and the key is at its limit
+  -- (count == limit, as stored strings), so the job holds the key and its slot goes to the
+  -- head waiter, if any. It is a second copy of what drop, handoff and wake do for this
+  -- case (the head lookup, the idle key's HDEL, the wait entry's offsets, the lease), kept
+  -- because the helper calls it avoids are a large part of a release on this Lua (figures:
+  -- docs/engine.md, "The busy-key release"). A change to any of those (waiter order, the
+  -- entry or spec layout, how a key goes idle) must change both; the engine tests check
+  -- that each exit leaves what the general path leaves.
   local head = call('ZRANGEBYLEX', K_WAITS, key_lo, key_hi, 'LIMIT', '0', '1')[1]
   if not head then -- full and nobody waits, so the job is not parked here: it held the key
     call('HDEL', K_STATE, jf)
@@ -67,7 +70,7 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEY
     local woken = sub(head, kl + ENTRY_JOB, z - 1)
     local lss = sub(head, z + SPEC_TAIL, z + SPEC_LEASE_END)
     if lss ~= ls_s then ls_s, ls_n = lss, lss + 0 end -- lease_ms, inline
-    local e = now + ls_n
+    local e = now + ls_n -- lease, inline (the `due` local is not read again by this call)
     local es = fmt('%d', e)
     call('ZADD', K_LEASES, es, woken)
     if not due or e < due then call('HSET', K_STATE, DUE, es) end
