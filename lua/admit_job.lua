@@ -15,7 +15,8 @@
 --          {admitted 1|0, parked key or "", position (1-based, 0 if admitted), duplicate 1|0,
 --           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- With require_ready=1 on a tag that init_tag has not marked ready (its state was lost and
--- is not rebuilt yet), nothing is stored: {0, '', 0, 0, 1, ...}.
+-- is not rebuilt yet), nothing is stored for the job, known or not (the check comes before
+-- the re-delivery lookup, after the inline reclaim): {0, '', 0, 0, 1, ...}.
 -- Common path (all keys free, limits unchanged, no lease due): PTTL (the clock), HMGET,
 -- HSET, ZADD.
 local job = ARGV[1]
