@@ -3,8 +3,8 @@
 -- The engine is one Redis Functions library (FUNCTION LOAD, called with FCALL): the loader
 -- (fairqueue/engine/scripts.py) puts this file first and wraps each lua/<op>.lua in a
 -- registered function. Helpers are therefore compiled and created once per library load,
--- not on every call as with EVAL, where this prologue alone cost about as much as two
--- Redis commands. Redis 7.0 exposes no globals (string, redis.call, ...) while a library
+-- not on every call as with EVAL, where this prologue was a large part of every call (figures
+-- in docs/engine.md, "Where the time goes"). Redis 7.0 exposes no globals (string, redis.call, ...) while a library
 -- loads, so they are bound on the first call (bind).
 --
 -- KEYS (identical for every operation, all under one `{tag}` hash slot, see keys.py):
@@ -16,18 +16,13 @@
 --                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
 --                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
 --                  when there are none)
---   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0)
+--   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0, see ENTRY_JOB)
 --   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
 -- Key names contain none of \0 \1 \2 \3 and job ids no \0, so the field kinds of `state` never
 -- collide and one HMGET reads a job's spec, its keys' counts and limits and the meta fields.
--- Spec: one string with a fixed-width header, so a state change rewrites the header and
--- reuses the rest verbatim, and the hot paths read single bytes instead of decoding
--- (cjson encode/decode cost more than the rest of an admit):
---   [1] n = index of the key the job is parked on, as a byte (#keys+1 when written by
---   admit)   [2] number of keys, as a byte   [3-4] 255-priority, 2 hex   [5-20] wait seq,
---   16 hex   [21..] tail = lease ms, 10 digits zero-padded .. key1 .. "\0" .. key2 ...
---   .. "\1" .. data (keys sorted, starting at byte 31)
+-- A job's spec (the "\2" field and the end of its wait entry) is one string with a
+-- fixed-width header: its layout and the names of its offsets are below (SPEC_*).
 -- A job is admitted iff it is in `leases` (then it holds all its keys and its spec's header
 -- is stale: a handoff that completes a job does not rewrite the spec); otherwise it is
 -- parked on key n, holds keys 1..n-1 and has its wait entry. The wait entry carries the
@@ -40,25 +35,56 @@
 --
 -- Numbers cross into Redis as strings made here (int, ms) and come back through num: a
 -- Lua number passed to redis.call is printed with "%.17g" and tonumber() parses a string
--- twice: together ~9% of a release in a perf profile of redis-server (Redis 7.0).
+-- twice, both measurable in a release (docs/engine.md).
 local K_STATE, K_WAITS, K_LEASES, K_CLOCK
 local call, fmt, sub, find, byte, char, floor, unpack_
 -- IP["7"] = hex of 255-7, the priority part of a wait entry, cached for the priorities in
 -- use (at most 256 entries). Filled lazily: every object in the Functions VM is marked by
--- each GC cycle, which every FCALL pays for; a table of all 256 measured 0.1 µs per call.
+-- each GC cycle, which every FCALL pays for, so a table prefilled with all 256 costs calls
+-- that never use most of it.
 local IP, ip_cached = {}, 0
 local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and limits
 local NOSEQ = '0000000000000000'
 local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
+
+-- The spec, byte by byte (1-based, as string.byte and string.sub count):
+--   [1]      n: index of the key the job is parked on, as a byte (#keys+1 once admitted)
+--   [2]      number of keys, as a byte
+--   [3-4]    255-priority, 2 hex  \ the wait order: a wait entry copies these 18 bytes,
+--   [5-20]   wait seq, 16 hex     / so a key's queue sorts by priority, then arrival
+--   [21-30]  lease ms, 10 digits zero-padded (admit_job stores ARGV[3] as given)
+--   [31..]   key1 "\0" key2 ... (sorted) "\1" data
+-- Bytes 21.. (the tail) never change: a state change rewrites the 20-byte header and reuses
+-- the tail verbatim, and the hot paths read single bytes at these offsets instead of
+-- decoding the whole string. Upvalues, so naming them costs nothing on the hot paths.
+local SPEC_N, SPEC_NK = 1, 2 -- the parked-on key index, the key count
+local SPEC_PRIO = 3 -- first byte of the wait order (priority, then seq)
+local SPEC_SEQ = 5 -- first byte of the wait seq
+local SPEC_TAIL = 21 -- first byte of the tail, which starts with the lease
+local SPEC_LEASE_END = 30 -- last lease digit
+local SPEC_KEYS = 31 -- first byte of the first key name
+-- A wait entry is key "\0" <the spec's wait order, bytes SPEC_PRIO..SPEC_TAIL-1> "\0" job
+-- "\0" spec, so the job id starts at byte #key + ENTRY_JOB (after #key, "\0", 18 order
+-- bytes, "\0"); with z the "\0" that ends the job id, spec byte i is entry byte z + i.
+local ENTRY_JOB = 21
+-- Expired leases an operation other than the sweep reclaims when one is due: it bounds the
+-- extra work of any one call (reclaim_leases, the sweep, takes its max from the caller).
+-- Mirrored by INLINE_RECLAIM in fairqueue/engine/ops.py.
+local RECLAIM_BATCH = 8
 -- The clock key expires at CLOCK_END ms (year 33658); a PTTL read outside CLOCK_LEFT (a
 -- now before 2017 or after 2248) means someone else set it: TIME is used and it is reset.
 local CLOCK_END, CLOCK_END_S = 1e15, '1000000000000000'
 local CLOCK_LEFT_MIN, CLOCK_LEFT_MAX = 1e15 - 8.8e12, 1e15 - 1.5e12
 
--- Per-call state, set by clock() (Redis runs one function at a time).
+-- Per-call state, set at the start of every call (clock(), then read_due()): library-level
+-- locals outlive a call (Redis Functions keep the library's Lua state), but Redis runs one
+-- function at a time, so a call only ever sees its own values.
 local now -- Redis server time, ms: the single clock of the engine
 local due -- the stored "\1due" (number) or nil when no lease exists
-local touched -- a grant wrote counts of keys other than the one being handed on
+-- Set when a grant (a woken job going on to its later keys) wrote the count of a key other
+-- than the one being handed on: from then on the counts and limits a release read in its
+-- first HMGET may be stale, so drop/free_held read each key again (see free_held).
+local touched
 -- Woken and reclaimed job_id, data pairs of the current call. Reused (emptied by clock())
 -- rather than allocated per call: every table a call creates is measurable garbage.
 local W, R = {}, {}
@@ -98,16 +124,26 @@ local function num(s)
   if s then return VAL[s] or s + 0 end
 end
 
+-- Cross-call memos (this and key_s below). Unlike the per-call state above they are meant
+-- to outlive a call: Redis Functions keep library-level locals between calls, so the next
+-- call finds them. Each is keyed by the very string it was computed from and is used only
+-- when the new string is equal, so a value left by another call, another tag or another
+-- key can never be used wrongly; at worst it misses and is recomputed. (A library reload,
+-- FUNCTION FLUSH or a restart starts them empty.)
 -- The last "\1due" and lease strings converted, and their numbers. Both change rarely
 -- (the earliest expiry moves when that lease ends; leases come from a few settings), and
--- a string-to-number conversion (strtod) on every call measured ~0.1x the trivial script
--- each. Keyed by the string itself, so a stale entry can never give a wrong number.
+-- a string-to-number conversion (strtod) on every call is measurable (docs/engine.md).
 local due_s, due_n, ls_s, ls_n = false, nil, false, nil
--- The strings a one-key release builds from its key (the limit's field name, the queue's
+-- The strings a one-key release builds from its key (its limit's field name, its queue's
 -- lex range, the spec's keys part), for the last key released: consecutive releases hit
--- the same key when it is busy, and a key with waiters is one. A miss costs one compare.
--- Measured ~0.15x the trivial script saved on a busy key (bench engine-ab).
+-- the same key when it is busy, and a key with waiters is one. Keyed by the key itself,
+-- so a stale entry is never used; a miss costs one compare.
 local key_s, key_limit, key_lo, key_hi, key_spec = false, nil, nil, nil, nil
+
+-- Remember the strings of `key` (called on a miss only: key ~= key_s).
+local function key_strings(key)
+  key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
+end
 
 -- Set `due` from the stored "\1due" string (false when missing).
 local function read_due(s)
@@ -123,8 +159,8 @@ end
 
 -- Redis server time, read as CLOCK_END minus the clock key's PTTL (the same millisecond as
 -- TIME: both read the server's clock). TIME replies with an array, and a Lua table costs
--- Redis about as much as a whole command (TIME with its conversion measured twice a PTTL,
--- 0.8x against 0.4x the trivial script). The key is missing after a loss of data or an
+-- Redis about as much as a whole command (TIME with its conversion measured about twice a
+-- PTTL, docs/engine.md). The key is missing after a loss of data or an
 -- eviction (only it, of our keys, has an expiry): then TIME, and it is set again.
 local function clock()
   local left = call('PTTL', K_CLOCK)
@@ -148,8 +184,8 @@ end
 -- Every field of a spec (cold paths and multi-key grants; the hot paths read only the
 -- bytes they need, see release_job and handoff).
 local function parse(raw)
-  local y = find(raw, '\1', 31, true)
-  local ks = sub(raw, 31, y - 1)
+  local y = find(raw, '\1', SPEC_KEYS, true)
+  local ks = sub(raw, SPEC_KEYS, y - 1)
   local k, pos = {}, 0
   while true do
     local nxt = find(ks, '\0', pos + 1, true)
@@ -161,15 +197,16 @@ local function parse(raw)
     pos = nxt
   end
   return {
-    n = byte(raw, 1), nk = byte(raw, 2), ip = sub(raw, 3, 4), q = sub(raw, 5, 20), tail = sub(raw, 21),
-    k = k, ls = lease_ms(sub(raw, 21, 30)), d = sub(raw, y + 1), raw = raw,
+    n = byte(raw, SPEC_N), nk = byte(raw, SPEC_NK), ip = sub(raw, SPEC_PRIO, SPEC_SEQ - 1),
+    q = sub(raw, SPEC_SEQ, SPEC_TAIL - 1), tail = sub(raw, SPEC_TAIL),
+    k = k, ls = lease_ms(sub(raw, SPEC_TAIL, SPEC_LEASE_END)), d = sub(raw, y + 1), raw = raw,
   }
 end
 
 -- Whether a spec's keys are exactly `names` (\0-separated, as stored): a release's hint is
 -- checked without splitting anything.
 local function has_keys(raw, names)
-  return byte(raw, 31 + #names) == 1 and find(raw, names, 31, true) == 31
+  return byte(raw, SPEC_KEYS + #names) == 1 and find(raw, names, SPEC_KEYS, true) == SPEC_KEYS
 end
 
 local function prio(spec)
@@ -177,9 +214,9 @@ local function prio(spec)
 end
 
 -- The wait entry of a job parked on `key` with spec string `raw`: ordered by key, then
--- priority, then arrival (header bytes 3..20); the rest makes the entry self-contained.
+-- priority, then arrival (the spec's wait order); the rest makes the entry self-contained.
 local function wait_member(key, raw, job)
-  return key .. '\0' .. sub(raw, 3, 20) .. '\0' .. job .. '\0' .. raw
+  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. raw
 end
 
 -- 1-based place of a parked job in its key's queue: O(log n).
@@ -251,13 +288,13 @@ end
 -- (or, on its last key, just lease it, reading only the bytes needed). Returns the job
 -- and its data when it now holds every key, nil when it parked on a later key.
 local function wake(m, klen)
-  local j = klen + 21
+  local j = klen + ENTRY_JOB
   local z = find(m, '\0', j, true)
   local job = sub(m, j, z - 1)
-  local n = byte(m, z + 1) + 1 -- the spec starts at m[z + 1]
-  if n > byte(m, z + 2) then
-    lease(job, lease_ms(sub(m, z + 21, z + 30)))
-    return job, sub(m, find(m, '\1', z + 31, true) + 1)
+  local n = byte(m, z + SPEC_N) + 1 -- the next key to take
+  if n > byte(m, z + SPEC_NK) then
+    lease(job, lease_ms(sub(m, z + SPEC_TAIL, z + SPEC_LEASE_END)))
+    return job, sub(m, find(m, '\1', z + SPEC_KEYS, true) + 1)
   end
   local spec = parse(sub(m, z + 1))
   if grant_rest(job, spec, n) then return job, spec.d end
@@ -326,9 +363,9 @@ end
 -- given, holds the counts and limits of the keys read beforehand (cl[co+2i-1], cl[co+2i]
 -- for key i); they are trusted only until a woken job writes counts of other keys.
 local function free_held(job, raw, k, ko, woken, admitted, cl, co)
-  local held = byte(raw, 2)
+  local held = byte(raw, SPEC_NK)
   if not admitted then
-    held = byte(raw, 1) - 1
+    held = byte(raw, SPEC_N) - 1
     call('ZREM', K_WAITS, wait_member(k[ko + held + 1], raw, job))
   end
   for i = 1, held do
@@ -354,7 +391,7 @@ local function drop(job, raw, k, ko, woken, admitted, cl, co)
   for i = #SETS, 1, -1 do SETS[i] = nil end -- emptied here, not after: one place to clear
   for i = #DELS, 2, -1 do DELS[i] = nil end
   DELS[1] = '\2' .. job
-  if byte(raw, 2) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
+  if byte(raw, SPEC_NK) > 1 then DELS[2] = '\3' .. job end -- its limits record, if it parked
   local removed = call('ZREM', K_LEASES, job)
   if admitted == nil then admitted = removed == 1 end
   free_held(job, raw, k, ko, woken, admitted, cl, co)
@@ -453,8 +490,8 @@ end
 
 -- The reply of release and cancel: `found` (1|0) alone when nothing was woken or
 -- reclaimed; the one woken job of a found job as the string job_id .. "\0" .. data (job
--- ids hold no \0): a table reply costs Redis about half the trivial script, a string
--- almost nothing; otherwise the flat table {found, #woken, woken ..., reclaimed ...}.
+-- ids hold no \0): a table reply costs Redis far more than a string (docs/engine.md);
+-- otherwise the flat table {found, #woken, woken ..., reclaimed ...}.
 local function done(found)
   if #R == 0 then
     if #W == 0 then return found end

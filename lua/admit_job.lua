@@ -4,7 +4,7 @@
 --       the spec stores it at a fixed place), data (opaque string),
 --       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
 --       limits ints >= 0.
--- Does, atomically: reclaim up to 8 expired leases; if job_id is known, nothing more
+-- Does, atomically: reclaim up to RECLAIM_BATCH (_lib.lua) expired leases; if job_id is known, nothing more
 -- (idempotent re-delivery: its current state is returned); else store each changed limit
 -- and hand on where a raised limit made room (before the newcomer competes: no barging);
 -- then take the keys in order, parking on the first full one. An idle key has no stored
@@ -15,7 +15,8 @@
 --          {admitted 1|0, parked key or "", position (1-based, 0 if admitted), duplicate 1|0,
 --           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- With require_ready=1 on a tag that init_tag has not marked ready (its state was lost and
--- is not rebuilt yet), nothing is stored: {0, '', 0, 0, 1, ...}.
+-- is not rebuilt yet), nothing is stored for the job, known or not (the check comes before
+-- the re-delivery lookup, after the inline reclaim): {0, '', 0, 0, 1, ...}.
 -- Common path (all keys free, limits unchanged, no lease due): PTTL (the clock), HMGET,
 -- HSET, ZADD.
 local job = ARGV[1]
@@ -25,7 +26,7 @@ local jf = '\2' .. job
 local f_job = 2 * nk + 1
 local r = admit_read(ARGV, nk, jf)
 read_due(r[f_job + 1])
-if reclaim_due(8, W, R) then r = admit_read(ARGV, nk, jf) end
+if reclaim_due(RECLAIM_BATCH, W, R) then r = admit_read(ARGV, nk, jf) end
 if ARGV[5] == '1' and not r[f_job + 3] then return reply({0, '', 0, 0, 1}, W, R) end
 local known = r[f_job]
 if known then -- idempotent re-delivery: report where the job is

@@ -14,6 +14,7 @@ from django.core.management import call_command
 
 from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
 from fairqueue.engine.keys import LAYOUT, tag_keys
+from fairqueue.engine.ops import INLINE_RECLAIM
 from fairqueue.engine.scripts import library, loaded_libraries
 from tests.base import RedisTestCase
 
@@ -195,6 +196,18 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(res.reclaimed, [Woken("a", "d-a")])
         self.assertEqual(res.woken, [Woken("b", "d-b")])
         self.assertEqual(res.position, 1)
+
+    def test_an_operation_reclaims_at_most_the_inline_batch_earliest_first(self) -> None:
+        """Lua's RECLAIM_BATCH is what ops.INLINE_RECLAIM (and the model) say it is."""
+        jobs = [f"e{i:02d}" for i in range(INLINE_RECLAIM + 2)]
+        for job in jobs:
+            self.admit(job, {f"x:{job}": 1})
+        for job in jobs:
+            self.e.expire_now(tag=T, job_id=job)  # all at 0: earliest first is job id order
+        res = self.admit("c", {"k": 1})
+        self.assertEqual([r.job_id for r in res.reclaimed], jobs[:INLINE_RECLAIM])
+        self.assertEqual([r.job_id for r in self.e.release(tag=T, job_id="c").reclaimed], jobs[INLINE_RECLAIM:])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
 
     def test_real_short_lease_runs_out(self) -> None:
         self.admit("a", {"k": 1}, lease=0.2)

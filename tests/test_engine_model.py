@@ -15,12 +15,10 @@ from django.conf import settings
 
 from fairqueue.engine import Engine
 from fairqueue.engine.keys import key_name
+from fairqueue.engine.ops import INLINE_RECLAIM  # expired leases admit/release/cancel reclaim
 from tests.base import RedisTestCase
 
 Pair = tuple[str, str]  # (job_id, data)
-
-# The engine reclaims this many expired leases inline in admit/release/cancel.
-INLINE_RECLAIM = 8
 
 
 @dataclass

@@ -214,7 +214,7 @@ class Engine(_Base):
     def init_tag(self, *, tag: str) -> bool:
         """Mark a tag ready (idempotent): its state is complete. True if this call did it.
 
-        ``require_ready`` admits do nothing on a tag that is not ready, which is what keeps
+        ``require_ready`` admits store nothing on a tag that is not ready, which is what keeps
         a newcomer out of a tag whose state Redis lost until the caller has rebuilt it."""
         return self._run(ops.init_tag(self.prefix, tag=tag))
 

@@ -28,11 +28,15 @@ from .results import (
 T = TypeVar("T")
 
 MAX_PRIORITY = 250
-#: A spec stores a job's key count and position as single bytes; 16 is far more than any
-#: real job needs (FairQueue uses three).
+#: A spec stores a job's key count and position as single bytes (SPEC_N, SPEC_NK in
+#: lua/_lib.lua); 16 is far more than any real job needs (FairQueue uses three).
 MAX_KEYS_PER_JOB = 16
-#: Expired leases reclaimed inline by admit/release/cancel (the sweep does the rest).
+#: Expired leases reclaimed inline by admit/release/cancel (the sweep does the rest): the
+#: value of RECLAIM_BATCH in lua/_lib.lua, which is what the Lua uses.
 INLINE_RECLAIM = 8
+#: Width of the spec's lease field (bytes SPEC_TAIL..SPEC_LEASE_END in lua/_lib.lua): an
+#: admit sends its lease zero-padded to it and the Lua stores it as given.
+LEASE_DIGITS = 10
 
 
 @dataclass(frozen=True)
@@ -79,8 +83,8 @@ def _check_key_name(name: object) -> str:
     return name
 
 
-#: Longest lease: its milliseconds fill the spec's fixed 10-digit field (about 115 days).
-MAX_LEASE_MS = 9_999_999_999
+#: Longest lease: its milliseconds fill the spec's fixed-width field (about 115 days).
+MAX_LEASE_MS = 10**LEASE_DIGITS - 1
 
 
 def lease_ms(lease_seconds: float) -> int:
@@ -139,7 +143,7 @@ def admit(
     pairs = key_limits(keys)
     if len(pairs) > MAX_KEYS_PER_JOB:
         raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(pairs)}")
-    lease = f"{lease_ms(lease_seconds):010d}"
+    lease = str(lease_ms(lease_seconds)).zfill(LEASE_DIGITS)
     args: tuple[str | int, ...] = (job_id, priority, lease, data, flag, *_flatten(pairs))
 
     def decode(r: Any) -> Admission:

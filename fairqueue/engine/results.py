@@ -32,7 +32,9 @@ class Admission:
     """Outcome of an admit. ``parked_on``/``position`` (1-based) are set when parked;
     ``duplicate`` means the job was already known and its current state is reported;
     ``not_ready`` means ``require_ready`` was set and the tag is not ready (its state was
-    lost and not rebuilt yet): nothing was stored, the caller must admit the job later."""
+    lost and not rebuilt yet): nothing was stored for this job, even if the tag knew it (the
+    call may still have reclaimed expired leases: see ``reclaimed``, ``woken``); the caller
+    must admit the job later."""
 
     job_id: str
     admitted: bool

@@ -65,8 +65,8 @@ def _registration(name: str, body: str) -> str:
     flags = "'no-writes'" if name in READ_ONLY else ""
     return (
         f"local function op_{name}(KEYS, ARGV)\n"
-        # Inline rather than a helper call: a Lua function call is ~40 ns, ~0.05x the
-        # trivial script, on every operation.
+        # Inline rather than a helper call: a Lua function call is a measurable part of
+        # every operation (docs/engine.md, "Where the time goes").
         "K_STATE, K_WAITS, K_LEASES, K_CLOCK = KEYS[1], KEYS[2], KEYS[3], KEYS[4]\n"
         "if not call then bind() end\n"
         f"{body}\n"
