@@ -39,22 +39,23 @@ def _tenant_pre_save(sender: type[Tenant], instance: Tenant, **kwargs: Any) -> N
     _after_commit(instance, functools.partial(tenant_moved, tenant_id=instance.pk, old_slug=old[0], old_shard=old[2]))
 
 
+def _old_name(sender: Any, instance: Any) -> str | None:
+    """The stored name of a saved row about to be renamed, else None."""
+    if instance.pk is None:
+        return None
+    old: str | None = sender.objects.filter(pk=instance.pk).values_list("name", flat=True).first()
+    return old if old is not None and old != instance.name else None
+
+
 @receiver(pre_save, sender=Shard, dispatch_uid="fq_jobs_shard_pre_save")
 def _shard_pre_save(sender: type[Shard], instance: Shard, **kwargs: Any) -> None:
-    if instance.pk is None:
-        return
-    old_name = Shard.objects.filter(pk=instance.pk).values_list("name", flat=True).first()
-    if old_name is None or old_name == instance.name:
-        return
-    _after_commit(instance, functools.partial(shard_renamed, shard_id=instance.pk, old_name=old_name))
+    if (old_name := _old_name(sender, instance)) is not None:
+        _after_commit(instance, functools.partial(shard_renamed, shard_id=instance.pk, old_name=old_name))
 
 
 @receiver(pre_save, sender=LatencyClass, dispatch_uid="fq_jobs_class_pre_save")
 def _class_pre_save(sender: type[LatencyClass], instance: LatencyClass, **kwargs: Any) -> None:
-    if instance.pk is None:
-        return
-    old_name = LatencyClass.objects.filter(pk=instance.pk).values_list("name", flat=True).first()
-    if old_name is None or old_name == instance.name:
+    if (old_name := _old_name(sender, instance)) is None:
         return
     # Unfinished jobs follow their class's new name (their deliveries' priority is unchanged).
     rename = functools.partial(
