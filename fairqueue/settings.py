@@ -5,7 +5,7 @@ from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
-from kombu import Queue
+from kombu import Exchange, Queue
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
@@ -130,7 +130,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes these two
 # queues: latency classes are message priorities in fq.jobs (0 = highest class), and the
 # batch lane is read only when fq.jobs is empty (fairqueue/jobs/broker.py).
-CELERY_TASK_QUEUES = (Queue("fq.jobs"), Queue("fq.batch"))
+CELERY_TASK_QUEUES = tuple(Queue(name, Exchange(name), routing_key=name) for name in ("fq.jobs", "fq.batch"))
 CELERY_TASK_DEFAULT_QUEUE = "fq.jobs"
 # Jobs renew their leases from a thread of the process that runs them, and the fleet
 # registry counts them there: a FairQueue worker runs the threads pool.

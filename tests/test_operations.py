@@ -21,6 +21,7 @@ from django.test import Client, override_settings
 
 from fairqueue.bench.stack import WebServer
 from fairqueue.jobs.admission import shard_tag, tenant_key
+from fairqueue.jobs.broker import BATCH_QUEUE, JOBS_QUEUE, delivery_publish, delivery_route
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.duties import batch_promote
@@ -31,6 +32,7 @@ from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
 from tenants.models import LatencyClass, Shard, Tenant
 from tenants.policy import policy_invalidate, policy_snapshot
+from tests.base import RedisTestCase
 from tests.factories import make_tenant
 from tests.redis_server import RedisServer
 from tests.test_jobs_e2e import E2EBase, max_overlap
@@ -330,3 +332,15 @@ class BulkIntegrityTests(E2EBase):
             job_submit_bulk(tenant=tenant, reqs=[JobRequest(task="demo.sleep", args=QUICK, idempotency_key="k1")])
         self.assertEqual(caught.exception.status, 409)
         self.assertFalse(Job.objects.exists())
+
+
+class BrokerRoutingTests(RedisTestCase):
+    def queued(self, queue: str) -> int:
+        """Messages waiting in `queue`, across kombu's per-priority lists."""
+        return sum(self.redis.llen(k) for k in self.redis.scan_iter(match=f"fq:celery:{queue}*"))
+
+    def test_a_delivery_lands_in_exactly_one_queue_by_its_route(self) -> None:
+        delivery_publish(f"{uuid.uuid4()}.0", delivery_route(level=2, batch=False))
+        self.assertEqual((self.queued(JOBS_QUEUE), self.queued(BATCH_QUEUE)), (1, 0))
+        delivery_publish(f"{uuid.uuid4()}.0", delivery_route(level=0, batch=True))
+        self.assertEqual((self.queued(JOBS_QUEUE), self.queued(BATCH_QUEUE)), (1, 1))
