@@ -151,6 +151,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         pipe.hmget(live.rate_key(t.slug), fields)
         pipe.get(live.mean_key(t.slug))
     pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
+    pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
     if with_history:
         for (shard, cls), oldest in cell_ages.items():
             key = history_key(shard, cls)
@@ -174,6 +175,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         rate = live.rate_from_ring([int(c or 0) for c in ring], window_seconds=policy.pool.rate_window_seconds)
         signals[t.slug] = (rate, float(mean) if mean else None)
     shares = {slug: int(v) for slug, v in (next(results) or {}).items()}
+    fair = {slug: float(v) for slug, v in (next(results) or {}).items()}
     histories: dict[tuple[str, str], list[float]] = {}
     if with_history:
         for cell in cell_ages:
@@ -206,6 +208,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
                 pool_slots=slots,
                 in_flight=in_flight,
                 idle_share=shares.get(t.slug, 0),
+                fair_share=fair.get(t.slug),
             ),
         )
         parked_by_class = tenant_parked.get(t.slug, {})

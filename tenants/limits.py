@@ -3,7 +3,14 @@
 base     = max(floor, ceil(R * D / 60))             R submissions/min, D mean seconds
 ceiling  = base + max(burst_floor, base * burst_pct)
 pressure = clamp(pool_target / in_flight, f_min, f_max)
-limit    = min(max(floor(ceiling * pressure), floor) + idle share, hard max) + dedicated
+protected = min(ceiling, fair share)                 only while pressure < 1
+limit    = min(max(floor(ceiling * pressure), ceil(protected), floor) + idle share, hard max) + dedicated
+
+Pressure alone squeezes every ceiling by the same factor, including the ceilings of
+tenants that use less than their share, so a steady tenant would wait on its own limit
+during someone else's burst. So when the pool is saturated a tenant never drops below
+min(its ceiling, its max-min fair share of the pool target) (`fair_shares`,
+water-filling): the squeeze lands on the tenants above their share, first.
 
 The formula alone is not work-conserving: with one bursty tenant holding the backlog, its
 limit settles where L = ceiling * target / (L + others), far below a full pool. So idle
@@ -34,6 +41,7 @@ class LimitBreakdown:
     hard_max: int | None
     dedicated: int
     idle_share: int
+    fair_share: float | None
     limit: int
 
     def as_dict(self) -> dict[str, Any]:
@@ -55,6 +63,7 @@ def tenant_limit(
     f_min: float,
     f_max: float,
     idle_share: int = 0,
+    fair_share: float | None = None,
 ) -> LimitBreakdown:
     """Compute a tenant's concurrency limit from its policy and the live signals."""
     base = max(floor, math.ceil(rate_per_min * mean_seconds / 60 - 1e-9))
@@ -67,7 +76,10 @@ def tenant_limit(
         pressure = f_max
     else:
         pressure = min(max(pool_target / in_flight, f_min), f_max)
-    limit = max(math.floor(ceiling * pressure + 1e-9), floor) + max(idle_share, 0)
+    squeezed = math.floor(ceiling * pressure + 1e-9)
+    if pressure < 1.0 and fair_share is not None:
+        squeezed = max(squeezed, math.ceil(min(ceiling, fair_share) - 1e-9))
+    limit = max(squeezed, floor) + max(idle_share, 0)
     if max_concurrency is not None:
         limit = min(limit, max_concurrency)
     return LimitBreakdown(
@@ -82,6 +94,7 @@ def tenant_limit(
         hard_max=max_concurrency,
         dedicated=dedicated,
         idle_share=max(idle_share, 0),
+        fair_share=fair_share,
         limit=limit + dedicated,
     )
 
@@ -99,3 +112,18 @@ def idle_shares(*, slots: int, in_flight: int, overcommit: float, demand: dict[s
     room = math.floor(slots * (1 + overcommit)) - in_flight
     share = math.ceil(room / len(demand)) if room > 0 else math.floor(room / len(demand))
     return {slug: max(0, held + share - formula) for slug, (held, formula) in demand.items()}
+
+
+def fair_shares(*, pool_target: float, demand: dict[str, float], weight: dict[str, float]) -> dict[str, float]:
+    """Each tenant's max-min fair share of the pool target (water-filling): a tenant that
+    demands less than its weighted share of what is left gets all it demands; the others
+    split the rest in proportion to their weights. Shares sum to at most the target."""
+    left, weight_left = max(pool_target, 0.0), sum(max(weight[s], 1e-9) for s in demand)
+    shares: dict[str, float] = {}
+    for slug in sorted(demand, key=lambda s: demand[s] / max(weight[s], 1e-9)):
+        w = max(weight[slug], 1e-9)
+        level = left / weight_left if weight_left > 0 else 0.0
+        shares[slug] = min(demand[slug], level * w)
+        left -= shares[slug]
+        weight_left -= w
+    return shares

@@ -10,6 +10,7 @@ from django.test import Client
 from django.utils import timezone
 
 from fairqueue.jobs import live
+from fairqueue.jobs.duties import limits_refresh
 from fairqueue.jobs.fleet import SEEN_KEY, WORKERS_KEY
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.selectors import tenant_limits_explain
@@ -55,6 +56,33 @@ class PressureTests(E2EBase):
             self.assertLess(b["limit"], idle[slug]["limit"])
         self.assertEqual(busy["small"]["limit"], 2)  # ceiling 4 * 0.5
         self.assertEqual(busy["large"]["limit"], 10)  # 20 * 0.5 = 10, its floor
+
+    def test_under_saturation_tenants_below_their_fair_share_keep_their_ceiling(self) -> None:
+        small = make_tenant("small", floor=1, burst_floor=3)[0]  # ceiling 4
+        medium = make_tenant("medium", floor=4, burst_pct=1.0)[0]  # ceiling 8
+        self.register_fleet(20)  # pool target 17
+        hog, _ = make_tenant("hog", floor=2, burst_floor=15)  # ceiling 17
+        for i in range(34):  # a burst's admitted backlog: the pool is twice over its target
+            job_submit(tenant=hog, req=JobRequest(task="demo.sleep", args={"seconds": 60}, idempotency_key=f"h{i}"))
+        live.live_invalidate()
+        limits_refresh()  # the tick: fair shares of the pool, published for every process
+        explained = {t.slug: tenant_limits_explain(tenant=t) for t in (small, medium, hog)}
+        self.assertEqual({e["pressure_factor"] for e in explained.values()}, {0.5})
+        # Water-filling 17 over demands 4, 8, 17: small gets its 4, the other two 6.5 each.
+        self.assertEqual([explained[s]["fair_share"] for s in ("small", "medium", "hog")], [4, 6.5, 6.5])
+        self.assertEqual(explained["small"]["limit"], 4, "below its share: its full ceiling, not 4 * 0.5")
+        self.assertEqual(explained["medium"]["limit"], 7, "its share (6.5, rounded up), not 8 * 0.5")
+        hog_formula = explained["hog"]["limit"] - explained["hog"]["idle_share"]  # the share hands back slots
+        self.assertEqual(hog_formula, 8, "above its share: squeezed by the factor, 17 * 0.5")
+
+    def test_an_idle_share_never_lifts_a_limit_past_what_the_shard_can_run(self) -> None:
+        tenant, _ = make_tenant("narrow", floor=1, burst_floor=1, shard_name="tight", shard_capacity=3)
+        self.register_fleet(16)  # an idle pool: plenty of unheld slots to share out
+        for i in range(40):
+            job_submit(tenant=tenant, req=JobRequest(task="demo.sleep", args={"seconds": 60}, idempotency_key=f"n{i}"))
+        live.live_invalidate()
+        limits_refresh()
+        self.assertLessEqual(tenant_limits_explain(tenant=tenant)["limit"], 3)
 
     def test_a_steady_tenant_earns_a_higher_base_than_a_bursty_one(self) -> None:
         steady, _ = make_tenant("steady", floor=1)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from django.test import SimpleTestCase
 
-from tenants.limits import idle_shares, tenant_limit
+from tenants.limits import fair_shares, idle_shares, tenant_limit
 
 DEFAULTS = dict(
     floor=2,
@@ -107,3 +109,38 @@ class IdleShareTests(SimpleTestCase):
         self.assertEqual(limit(idle_share=5).idle_share, 5)
         self.assertEqual(limit(idle_share=50, max_concurrency=10).limit, 10)
         self.assertEqual(limit(idle_share=50, max_concurrency=10, dedicated=2).limit, 12)
+
+
+class FairShareTests(SimpleTestCase):
+    """Water-filling: pressure lands on the tenants above their max-min fair share."""
+
+    def test_tenants_below_an_equal_share_get_their_demand_and_the_rest_split_what_is_left(self) -> None:
+        shares = fair_shares(pool_target=20, demand={"a": 2, "b": 4, "noisy": 100}, weight={"a": 1, "b": 1, "noisy": 1})
+        self.assertEqual(shares, {"a": 2, "b": 4, "noisy": 14})
+
+    def test_weights_split_the_contended_part(self) -> None:
+        shares = fair_shares(pool_target=30, demand={"x": 100, "y": 100}, weight={"x": 2, "y": 1})
+        self.assertAlmostEqual(shares["x"], 20)
+        self.assertAlmostEqual(shares["y"], 10)
+
+    def test_shares_never_exceed_the_target_or_the_demand(self) -> None:
+        demand = {f"t{i}": float(i) for i in range(1, 30)}
+        shares = fair_shares(pool_target=100, demand=demand, weight=dict.fromkeys(demand, 1.0))
+        self.assertLessEqual(sum(shares.values()), 100 + 1e-9)
+        self.assertTrue(all(shares[s] <= demand[s] for s in demand))
+
+    def test_a_steady_tenant_below_its_share_is_not_squeezed_by_pressure(self) -> None:
+        steady = limit(floor=1, burst_floor=3, in_flight=160)  # pressure 0.5: ceiling 4 -> 2
+        self.assertEqual(steady.limit, 2)
+        protected = limit(floor=1, burst_floor=3, in_flight=160, fair_share=10)
+        self.assertEqual((protected.limit, protected.fair_share), (4, 10), "min(ceiling, share) is kept")
+
+    def test_a_tenant_above_its_share_is_squeezed_by_the_factor_but_never_below_its_share(self) -> None:
+        # base 100, ceiling 150; in flight 400 of a target of 80: pressure at f_min 0.25
+        noisy = dict(floor=1, burst_floor=3, rate_per_min=6000, mean_seconds=1.0, in_flight=400)
+        self.assertEqual(limit(**noisy, fair_share=12).limit, 37)  # the factor: floor(150 * 0.25)
+        self.assertEqual(limit(**noisy, fair_share=60).limit, 60)  # its share, not the factor
+
+    def test_no_protection_while_the_pool_has_room(self) -> None:
+        relaxed = limit(floor=1, burst_floor=3, in_flight=10, fair_share=1)
+        self.assertEqual(relaxed.limit, math.floor(relaxed.ceiling * relaxed.pressure))

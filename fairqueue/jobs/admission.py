@@ -46,6 +46,7 @@ class LiveSignals:
     pool_slots: int = 0
     in_flight: int = 0
     idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
+    fair_share: float | None = None  # its max-min fair share of the pool target, ditto
     # Slots the tenant (and its shard) still hold at a place they were moved away from
     # (fairqueue.jobs.moves): counted against the limit at the new place until they finish.
     held_elsewhere: int = 0
@@ -77,9 +78,18 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         f_min=pool.f_min,
         f_max=pool.f_max,
         idle_share=signals.idle_share,
+        fair_share=signals.fair_share,
     )
-    if signals.held_elsewhere:
-        breakdown = dataclasses.replace(breakdown, limit=max(0, breakdown.limit - signals.held_elsewhere))
+    # A tenant never runs more than its shard can: a limit past the shard's capacity would
+    # only move its backlog from its own key to the shard's, in front of its shard-mates.
+    capped = (
+        min(breakdown.limit, max(policy.shards[tenant.shard].capacity, tenant.floor))
+        if tenant.shard in policy.shards
+        else breakdown.limit
+    )
+    capped = max(0, capped - signals.held_elsewhere)
+    if capped != breakdown.limit:
+        breakdown = dataclasses.replace(breakdown, limit=capped)
     return breakdown
 
 

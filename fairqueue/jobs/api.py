@@ -252,6 +252,9 @@ class LimitsOut(Schema):
     hard_max: int | None
     dedicated: int
     idle_share: int
+    fair_share: float | None = Field(
+        None, description="Max-min fair share of the pool target; pressure never squeezes the limit below it."
+    )
     limit: int
     in_flight: int
     parked: int

@@ -21,7 +21,7 @@ from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.runtime import engine
-from tenants.limits import idle_shares
+from tenants.limits import fair_shares, idle_shares
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 log = logging.getLogger("fairqueue.jobs.duties")
@@ -121,19 +121,31 @@ def limits_refresh() -> int:
     Limits travel with each admit, but a tenant whose jobs are all parked submits nothing;
     this tick is what lets a raised limit (idle pool, admin edit) wake its waiters within a
     second. It also shares the pool's unheld slots among tenants at their limit (see
-    tenants.limits.idle_shares), which is what keeps the pool full under one big backlog.
-    One round trip per shard to read holders, one per shard to set limits.
+    tenants.limits.idle_shares), which is what keeps the pool full under one big backlog,
+    and computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
+    below which pressure never squeezes it. One round trip per shard to read holders, one
+    per shard to set limits.
     """
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
+    signals = {slug: dataclasses.replace(live.live_signals(tenant_slug=slug), idle_share=0) for slug in policy.tenants}
+    ceilings = {}
+    for slug, tp in policy.tenants.items():
+        ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
+        ceilings[slug] = min(ceiling, tp.max_concurrency) if tp.max_concurrency is not None else ceiling
+    fair = fair_shares(
+        pool_target=fleet.slots * policy.pool.target_utilisation,
+        demand=ceilings,
+        weight=dict.fromkeys(policy.tenants, 1.0),  # max-min: every tenant alike; floors hold anyway
+    )
     formulas: dict[str, int] = {}
     held: dict[str, int] = {}
     for shard_name in policy.shards:
         members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
         counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(tp.slug) for tp in members])
         for tp in members:
-            signals = dataclasses.replace(live.live_signals(tenant_slug=tp.slug), idle_share=0)
-            formulas[tp.slug] = tenant_limit_for(policy, tp, signals).limit
+            signals[tp.slug] = dataclasses.replace(signals[tp.slug], fair_share=fair.get(tp.slug))
+            formulas[tp.slug] = tenant_limit_for(policy, tp, signals[tp.slug]).limit
             held[tp.slug] = counts.get(tenant_key(tp.slug), 0)
     capped = {
         slug
@@ -146,7 +158,12 @@ def limits_refresh() -> int:
     shares = idle_shares(
         slots=fleet.slots, in_flight=fleet.in_flight + fleet.batch_in_flight, overcommit=OVERCOMMIT, demand=at_limit
     )
-    live.idle_shares_publish(shares)
+    # An idle share never lifts a limit past what the tenant's shard can run: where the
+    # shard key binds, slots the pool has free are of no use to its tenants.
+    for slug, share in shares.items():
+        capacity = policy.shards[policy.tenants[slug].shard].capacity
+        shares[slug] = max(0, min(share, capacity - formulas[slug]))
+    live.shares_publish(shares, fair)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
