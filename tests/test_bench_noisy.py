@@ -120,6 +120,8 @@ class BenchNoisySmokeTests(SimpleTestCase):
             {
                 "quiet_p99_vs_fifo",
                 "quiet_p99_vs_no_burst",
+                "quiet_p99_vs_fifo_shared_shard",
+                "quiet_p99_vs_no_burst_shared_shard",
                 "utilization",
                 "noisy_makespan",
                 "noisy_makespan_excl_quiet_work",  # informational: not part of all_targets_met
