@@ -1,7 +1,9 @@
 """The Celery signal wiring of a FairQueue worker: what runs beside its tasks.
 
 On `worker_ready` it starts two daemon threads, the fleet heartbeat and the ticker that
-runs the periodic duties; on SIGTERM it drains; on shutdown it deregisters. A worker
+runs the periodic duties while this worker holds the fleet's duty lease
+(fairqueue.jobs.leadership); on SIGTERM it drains; on shutdown it deregisters and hands
+the lease on. A worker
 killed with SIGKILL simply stops heartbeating and drops out of the fleet count.
 """
 
@@ -21,6 +23,7 @@ from fairqueue.jobs import stats
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
+from fairqueue.jobs.leadership import DutyLease
 from fairqueue.jobs.leases import active_leases
 
 log = logging.getLogger("fairqueue.worker")
@@ -30,6 +33,7 @@ DRAIN_POLL_SECONDS = 0.05
 
 _stop = threading.Event()
 _hostname: str | None = None
+_lease: DutyLease | None = None
 
 
 def _heartbeat(hostname: str, slots: int) -> None:
@@ -43,19 +47,24 @@ def _heartbeat(hostname: str, slots: int) -> None:
         _stop.wait(HEARTBEAT_SECONDS)
 
 
-def _ticker(interval: float) -> None:
+def _ticker(interval: float, lease: DutyLease) -> None:
+    """Every worker tries for the duty lease each tick; the one that holds it runs them."""
     while not _stop.is_set():
-        # Jitter keeps a large fleet from ticking in lock-step.
+        # Jitter keeps a large fleet from trying in lock-step.
         _stop.wait(interval * random.uniform(0.5, 1.5))
+        if _stop.is_set() or not lease.hold():
+            continue
         try:
             scheduler_tick()
+            stats.count("duty_ticks")
         except Exception:
             log.exception("scheduler tick failed")
+    lease.release()
 
 
 @worker_ready.connect
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
-    global _hostname
+    global _hostname, _lease
     hostname = getattr(sender, "hostname", None) or "worker"
     _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
@@ -69,7 +78,8 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     _stop.clear()
     threading.Thread(target=_heartbeat, args=(hostname, slots), name="fairqueue-heartbeat", daemon=True).start()
     interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
-    threading.Thread(target=_ticker, args=(interval,), name="fairqueue-ticker", daemon=True).start()
+    _lease = DutyLease(hostname)
+    threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
     log.info("worker %s registered with %s slots", hostname, slots)
 
 
@@ -107,6 +117,8 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
 
 
 def _deregister(hostname: str | None) -> None:
+    if _lease is not None:
+        _lease.release()
     if not hostname:
         return
     try:

@@ -1,0 +1,63 @@
+"""One fleet, one duty: of several real workers one runs the periodic duties; when it is
+killed another takes them over within one lease; and the duties still do their work."""
+
+from __future__ import annotations
+
+import time
+
+from fairqueue.jobs.leadership import LEASE_MS, duty_leader
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.stats import STATS_KEY
+from tenants.models import Tenant
+from tests.factories import make_tenant
+from tests.test_jobs_e2e import E2EBase
+from tests.workers import WorkerProcess, wait_for
+
+WINDOW_SECONDS = 6.0
+TICKS_PER_SECOND_ONE_WORKER = 2.0  # the ticker's 0.5 s mean interval
+
+
+class FleetDutyTests(E2EBase):
+    def duty_ticks(self) -> int:
+        return int(self.redis.hget(STATS_KEY, "duty_ticks") or 0)
+
+    def test_three_workers_tick_the_duties_as_one_and_a_killed_leader_is_replaced(self) -> None:
+        workers = [WorkerProcess(slots=1, name=f"fleet{i}").start() for i in range(3)]
+        leader = wait_for(duty_leader, timeout=30, message="a duty leader")
+        self.assertIn(leader, {w.hostname for w in workers})
+        wait_for(self.duty_ticks, timeout=30, message="the first duty tick counted")
+        before = self.duty_ticks()
+        time.sleep(WINDOW_SECONDS)
+        ticked = self.duty_ticks() - before
+        # Three workers each ticking would count about 3 x 2/s; the fleet ticks as one.
+        self.assertLessEqual(ticked, 1.5 * TICKS_PER_SECOND_ONE_WORKER * WINDOW_SECONDS, ticked)
+        self.assertGreater(ticked, 0)
+        victim = next(w for w in workers if w.hostname == leader)
+        victim.kill()
+        successor = wait_for(
+            lambda: (h := duty_leader()) not in (None, leader) and h,
+            timeout=LEASE_MS / 1000 + 10,
+            message="another worker to take the duties over",
+        )
+        self.assertIn(successor, {w.hostname for w in workers if w is not victim})
+        # The duties run under the new leader: a raised limit wakes a parked job (limits refresh).
+        tenant, key = make_tenant("raised", max_concurrency=1)
+        first = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 30}})
+        second = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0}})
+        self.assertEqual(second["status"], "parked")
+        wait_for(lambda: Job.objects.get(id=first["id"]).status == JobStatus.RUNNING, timeout=30, message="first")
+        Tenant.objects.filter(pk=tenant.pk).update(max_concurrency=2)
+        Tenant.objects.get(pk=tenant.pk).save()  # the admin's save: policy synced on commit
+        wait_for(
+            lambda: Job.objects.get(id=second["id"]).status == JobStatus.SUCCEEDED,
+            timeout=30,
+            message="the parked job woken by the new leader's limit refresh",
+        )
+
+    def test_a_clean_shutdown_hands_the_duties_on_at_once(self) -> None:
+        first = WorkerProcess(slots=1, name="first").start()
+        wait_for(lambda: duty_leader() == first.hostname, timeout=30, message="the first worker to lead")
+        self.assertEqual(first.terminate(), 0)
+        self.assertIsNone(duty_leader(), "the lease was released, not left to expire")
+        second = WorkerProcess(slots=1, name="second").start()
+        wait_for(lambda: duty_leader() == second.hostname, timeout=30, message="the second worker to lead")
