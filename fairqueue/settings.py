@@ -161,7 +161,11 @@ FAIRQUEUE = {
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
+    # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.
+    "RETENTION_DAYS": env.float("FAIRQUEUE_RETENTION_DAYS", default=30.0),
 }
+if FAIRQUEUE["RETENTION_DAYS"] < 0:
+    raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
