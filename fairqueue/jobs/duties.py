@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -20,6 +21,7 @@ from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
+from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
 from tenants.limits import fair_shares, idle_shares
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -31,6 +33,7 @@ log = logging.getLogger("fairqueue.jobs.duties")
 OVERCOMMIT = 0.125
 BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting batch job is promoted
 SWEEP_JOBS_PER_TAG = 100
+RETENTION_EVERY_SECONDS = 60.0
 
 
 def sweep_once(extra_tags: list[str] | tuple[str, ...] = ()) -> int:
@@ -43,6 +46,18 @@ def sweep_once(extra_tags: list[str] | tuple[str, ...] = ()) -> int:
             outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
         total += len(result.reclaimed)
     return total
+
+
+_retention_last = 0.0
+
+
+def retention_step() -> None:
+    """Automatic retention, a bounded step at most every RETENTION_EVERY_SECONDS."""
+    global _retention_last
+    if time.monotonic() - _retention_last < RETENTION_EVERY_SECONDS:
+        return
+    _retention_last = time.monotonic()
+    retention_due_prune()
 
 
 def scheduler_tick() -> None:
@@ -62,6 +77,7 @@ def scheduler_tick() -> None:
         jobs_admit_pending,
         releases_pending,
         reconcile,
+        retention_step,
     ]
     for duty in duties:
         try:

@@ -74,6 +74,7 @@ class Job(models.Model):
         indexes = [
             models.Index(fields=["tenant", "status", "submitted_at"]),
             models.Index(fields=["engine_tag", "status"], name="job_engine_tag_status"),
+            models.Index(fields=["status", "finished_at"], name="job_status_finished"),  # retention
             models.Index(
                 fields=["release_pending"], condition=models.Q(release_pending=True), name="job_release_pending"
             ),

@@ -21,8 +21,8 @@ from fairqueue.jobs import payloads
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, LedgerEntry
 
 DEFAULT_BATCH_SIZE = 1000
-# The periodic tick runs on every worker twice a second: each call does a bounded amount of
-# work, and a large backlog of old jobs drains over many ticks.
+# The fleet's duty leader calls it every RETENTION_EVERY_SECONDS (fairqueue.jobs.duties): each
+# call does a bounded amount of work, and a large backlog of old jobs drains over many calls.
 TICK_BATCH_SIZE = 500
 TICK_MAX_BATCHES = 2
 
