@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import time
 
+from fairqueue.jobs.fleet import (
+    BUSY_BATCH_KEY,
+    BUSY_KEY,
+    FORGET_AFTER_SECONDS,
+    SEEN_KEY,
+    WORKERS_KEY,
+    fleet_read,
+    worker_heartbeat,
+)
 from fairqueue.jobs.leadership import LEASE_MS, duty_leader
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.stats import STATS_KEY
 from tenants.models import Tenant
+from tests.base import RedisTestCase
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase
 from tests.workers import WorkerProcess, wait_for
@@ -61,3 +71,16 @@ class FleetDutyTests(E2EBase):
         self.assertIsNone(duty_leader(), "the lease was released, not left to expire")
         second = WorkerProcess(slots=1, name="second").start()
         wait_for(lambda: duty_leader() == second.hostname, timeout=30, message="the second worker to lead")
+
+
+class RegistryTests(RedisTestCase):
+    def test_a_worker_silent_for_long_is_forgotten_everywhere(self) -> None:
+        dead, alive = "crashed@host", "alive@host"
+        for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
+            self.redis.hset(key, dead, 4)
+        self.redis.zadd(SEEN_KEY, {dead: time.time() - FORGET_AFTER_SECONDS - 1})
+        worker_heartbeat(hostname=alive, slots=2, running=1, running_batch=0)
+        for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
+            self.assertEqual(self.redis.hkeys(key), [alive.encode()], key)
+        self.assertEqual(self.redis.zrange(SEEN_KEY, 0, -1), [alive.encode()])
+        self.assertEqual(fleet_read(), {"workers": 1, "slots": 2, "busy": 1, "busy_batch": 0})
