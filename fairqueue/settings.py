@@ -75,6 +75,7 @@ TEMPLATES = [
 
 # --- Database -----------------------------------------------------------------------
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / 'db.sqlite3'}")}
+TEST_RUNNER = "tests.runner.FairQueueTestRunner"
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Workers and the web process write concurrently: WAL lets readers proceed, and
     # IMMEDIATE transactions take the write lock up front instead of failing mid-way.

@@ -9,6 +9,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 from django.conf import settings
@@ -28,7 +29,11 @@ def worker_env(**overrides: str) -> dict[str, str]:
     if db["ENGINE"].endswith("sqlite3"):
         env["DATABASE_URL"] = f"sqlite:///{db['NAME']}"
     else:
-        env["DATABASE_URL"] = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+        password = f":{quote(db['PASSWORD'], safe='')}" if db.get("PASSWORD") else ""
+        host = db["HOST"] or "127.0.0.1"
+        env["DATABASE_URL"] = (
+            f"postgres://{quote(db['USER'], safe='')}{password}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
+        )
     env["REDIS_URL"] = settings.REDIS_URL
     env["FAIRQUEUE_DEMO"] = "1"
     env.update(overrides)
