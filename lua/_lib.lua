@@ -16,12 +16,13 @@
 --                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
 --                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
 --                  when there are none)
---                  | "\4"..key.."\0"..fp -> the flow's last finish tag (16 hex) and the
---                  start of its backlog (12 hex) | "\5"..key.."\0"..fp -> how many of the
+--                  | "\4"..key.."\1"..fp -> the flow's last finish tag (16 hex) and the
+--                  start of its backlog (12 hex) | "\5"..key.."\1"..fp -> how many of the
 --                  flow's jobs wait on key at that priority; fp = <255-p: 2 hex>..flow.
 --                  Both exist exactly while that count is above 0 (see park, flow_left).
---   2 waits  ZSET  key\0<order: 42 bytes>\0job\0fp\0<spec> (score 0, see ENTRY_JOB); the
---                  order is 255-p, the virtual start tag, the flow's backlog start, seq
+--   2 waits  ZSET  key\0<order: 42 bytes>\0job\0<"\5"..key.."\1"..fp>\0<spec> (score 0,
+--                  see ENTRY_JOB); the order is 255-p, the virtual start tag, the flow's
+--                  backlog start, seq
 --   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
 -- Key names contain none of \0 \1 \2 \3 and job ids no \0, so the field kinds of `state` never
@@ -74,11 +75,18 @@ local SPEC_TAIL = 45 -- first byte of the tail, which starts with the lease
 local SPEC_LEASE_END = 54 -- last lease digit
 local SPEC_KEYS = 55 -- first byte of the first key name
 -- A wait entry is key "\0" <the spec's wait order, bytes SPEC_PRIO..SPEC_TAIL-1> "\0" job
--- "\0" fp "\0" spec, where fp (the flow part) is the 2 priority bytes and the flow of the
--- key it waits on: the job id starts at byte #key + ENTRY_JOB (after #key, "\0", 42 order
--- bytes, "\0"); with z the "\0" that ends the job id, fp is bytes z+1 .. y-1 where y is
--- the next "\0" (fp is at least 2 bytes, so y >= z + 3), and spec byte i is entry byte y + i.
+-- "\0" fc "\0" <spec bytes 1-2> <spec bytes SPEC_TAIL..>: fc is the name of the flow's count
+-- field, "\5" key "\1" fp, fp being the 2 priority bytes and the flow of the key it waits
+-- on (so a handoff has the name without building it); the spec follows without its order
+-- bytes, which the entry holds already (entry_raw puts them back). The job id starts at
+-- byte #key + ENTRY_JOB (after #key, "\0", 42 order bytes, "\0"); with z the "\0" that
+-- ends the job id, fc is bytes z+1 .. y-1 where y is the next "\0" (fc holds none); then
+-- spec bytes SPEC_N, SPEC_NK are entry bytes y + SPEC_N, y + SPEC_NK, the lease is y +
+-- ENTRY_LEASE .. y + ENTRY_LEASE_END and the first key starts at y + ENTRY_KEYS.
 local ENTRY_JOB = 45
+local ORDER_LEN = SPEC_TAIL - SPEC_PRIO -- 42
+local ENTRY_LEASE = SPEC_TAIL - ORDER_LEN -- 3
+local ENTRY_LEASE_END, ENTRY_KEYS = SPEC_LEASE_END - ORDER_LEN, SPEC_KEYS - ORDER_LEN -- 12, 13
 -- Fair order (docs/engine.md, "Fair order"): a parked job's virtual start tag is
 -- max(V, its flow's last finish tag on that key and priority), V being the tag of the
 -- key's head waiter at that priority (0 when none); its finish tag adds its cost,
@@ -158,12 +166,11 @@ local due_s, due_n, ls_s, ls_n = false, nil, false, nil
 -- lex range, the spec's keys part), for the last key released: consecutive releases hit
 -- the same key when it is busy, and a key with waiters is one. Keyed by the key itself,
 -- so a stale entry is never used; a miss costs one compare.
-local key_s, key_limit, key_lo, key_hi, key_spec, key_fr, key_fc = false, nil, nil, nil, nil, nil, nil
+local key_s, key_limit, key_lo, key_hi, key_spec = false, nil, nil, nil, nil
 
 -- Remember the strings of `key` (called on a miss only: key ~= key_s).
 local function key_strings(key)
   key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
-  key_fr, key_fc = '\4' .. key .. '\0', '\5' .. key .. '\0' -- its flow records' names, less fp
 end
 
 -- Set `due` from the stored "\1due" string (false when missing).
@@ -234,11 +241,17 @@ local function prio(spec)
   return 255 - tonumber(spec.ip, 16)
 end
 
--- The wait entry of a job parked on `key` with spec string `raw` in flow part `fp`: ordered by
--- key, then the spec's wait order (priority, tag, backlog start, arrival); the rest makes
--- the entry self-contained (fp names the flow's records without another read).
-local function wait_entry(key, raw, job, fp)
-  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. fp .. '\0' .. raw
+-- The wait entry of a job parked on `key` with spec string `raw`, its flow's count field
+-- being `fc`: ordered by key, then the spec's wait order (priority, tag, backlog start,
+-- arrival); the rest makes the entry self-contained (fc names the flow's records).
+local function wait_entry(key, raw, job, fc)
+  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. fc .. '\0' .. sub(raw, 1, 2) .. sub(raw, SPEC_TAIL)
+end
+
+-- The spec string of the wait entry `m` of a key of `klen` bytes (y: the "\0" after its
+-- flow's count field): its first two bytes, the order bytes from the entry's prefix, its tail.
+local function entry_raw(m, klen, y)
+  return sub(m, y + 1, y + 2) .. sub(m, klen + 2, klen + 1 + ORDER_LEN) .. sub(m, y + ENTRY_LEASE)
 end
 
 -- The wait entry of a job parked on `key` with spec `raw`, found by its order bytes (unique:
@@ -287,10 +300,10 @@ end
 -- order the flows began to wait, which keeps equally weighted backlogged flows within one
 -- job of each other (docs/engine.md). Appends the flow's two records (finish tag and start;
 -- waiter count) to `set` as field, value pairs; returns the 40 order bytes after the
--- priority and the flow part fp of the wait entry.
+-- priority and the name of the flow's count field (for the wait entry).
 local function fair_order(key, ip, flow, cost, seq, set)
-  local fp = ip .. flow
-  local fr, fc = '\4' .. key .. '\0' .. fp, '\5' .. key .. '\0' .. fp
+  local fp = key .. '\1' .. ip .. flow
+  local fr, fc = '\4' .. fp, '\5' .. fp
   local rec = call('HMGET', K_STATE, fr, fc)
   local cnt = num(rec[2]) or 0
   local tag, start
@@ -307,21 +320,21 @@ local function fair_order(key, ip, flow, cost, seq, set)
   if fin > TAG_MAX then fin = TAG_MAX end
   set[#set + 1], set[#set + 2] = fr, fmt('%016x', fin) .. start
   set[#set + 1], set[#set + 2] = fc, int(cnt + 1)
-  return tag .. start .. seq, fp
+  return tag .. start .. seq, fc
 end
 
--- A waiter of flow part `fp` left `key`'s queue (handed a slot, or withdrawn): one fewer of
--- its flow waits there; at none, the flow's records go (with `batch`, in drop's HDEL).
+-- A waiter whose flow's count field is `fc` left its key's queue (handed a slot, or
+-- withdrawn): one fewer of its flow waits there; at none, the flow's records go (with
+-- `batch`, in drop's HDEL).
 -- A withdrawn waiter leaves the flow's finish tag as it was: its later jobs queue behind
 -- the place it held, never before an earlier job of the flow.
-local function flow_left(key, fp, batch)
-  local fc = '\5' .. key .. '\0' .. fp
+local function flow_left(fc, batch)
   if call('HINCRBY', K_STATE, fc, -1) > 0 then return end
   if batch then
-    DELS[#DELS + 1] = '\4' .. key .. '\0' .. fp
+    DELS[#DELS + 1] = '\4' .. sub(fc, 2)
     DELS[#DELS + 1] = fc
   else
-    call('HDEL', K_STATE, '\4' .. key .. '\0' .. fp, fc)
+    call('HDEL', K_STATE, '\4' .. sub(fc, 2), fc)
   end
 end
 
@@ -331,9 +344,9 @@ end
 local function park(job, spec, n, lim, flow, cost)
   local key = spec.k[n]
   local set = {}
-  local q, fp = fair_order(key, spec.ip, flow, cost, fmt('%012x', call('HINCRBY', K_STATE, SEQ, 1)), set)
+  local q, fc = fair_order(key, spec.ip, flow, cost, fmt('%012x', call('HINCRBY', K_STATE, SEQ, 1)), set)
   local raw = spec_raw(n, spec.nk, spec.ip, q, spec.tail)
-  call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fp))
+  call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fc))
   set[#set + 1], set[#set + 2] = '\2' .. job, raw
   if lim then set[#set + 1], set[#set + 2] = '\0' .. key, lim end
   call('HSET', K_STATE, unpack_(set))
@@ -386,17 +399,17 @@ local function grant_rest(job, spec, n)
 end
 
 -- The head waiter `m` of a key of `klen` bytes got its slot (z, y: the "\0"s after its job
--- id and its flow part): let it take its later keys (or, on its last key, just lease it,
+-- id and its flow's count field): let it take its later keys (or, on its last key, just lease it,
 -- reading only the bytes needed). Returns the job and its data when it now holds every
 -- key, nil when it parked on a later key.
 local function wake(m, klen, z, y)
   local job = sub(m, klen + ENTRY_JOB, z - 1)
   local n = byte(m, y + SPEC_N) + 1 -- the next key to take
   if n > byte(m, y + SPEC_NK) then
-    lease(job, lease_ms(sub(m, y + SPEC_TAIL, y + SPEC_LEASE_END)))
-    return job, sub(m, find(m, '\1', y + SPEC_KEYS, true) + 1)
+    lease(job, lease_ms(sub(m, y + ENTRY_LEASE, y + ENTRY_LEASE_END)))
+    return job, sub(m, find(m, '\1', y + ENTRY_KEYS, true) + 1)
   end
-  local spec = parse(sub(m, y + 1))
+  local spec = parse(entry_raw(m, klen, y))
   if grant_rest(job, spec, n) then return job, spec.d end
   return nil
 end
@@ -421,8 +434,8 @@ local function handoff(key, c, l, stored, woken, full, batch)
       if not head then break end
       call('ZREM', K_WAITS, head)
       local z = find(head, '\0', klen + ENTRY_JOB, true)
-      local y = find(head, '\0', z + 3, true)
-      flow_left(key, sub(head, z + 1, y - 1), batch)
+      local y = find(head, '\0', z + 1, true)
+      flow_left(sub(head, z + 1, y - 1), batch)
       c = c + 1
       local job, data = wake(head, klen, z, y)
       if job then
@@ -474,7 +487,7 @@ local function free_held(job, raw, k, ko, woken, admitted, cl, co)
     if m then
       call('ZREM', K_WAITS, m)
       local z = find(m, '\0', #key + ENTRY_JOB, true)
-      flow_left(key, sub(m, z + 1, find(m, '\0', z + 3, true) - 1), true)
+      flow_left(sub(m, z + 1, find(m, '\0', z + 1, true) - 1), true)
     end
   end
   for i = 1, held do

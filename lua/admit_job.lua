@@ -107,7 +107,7 @@ local key = ARGV[5 + 2 * n]
 local ip = ip_of(ARGV[2])
 local set = {}
 local flow, cost = flow_of(ARGV[6], n)
-local q, fp = fair_order(key, ip, flow, cost, fmt('%012x', seq), set)
+local q, fc = fair_order(key, ip, flow, cost, fmt('%012x', seq), set)
 local raw = spec_raw(n, nk, ip, q, tail)
 for i = 1, n do
   local k = ARGV[5 + 2 * i]
@@ -130,5 +130,5 @@ end
 set[#set + 1], set[#set + 2] = jf, raw
 set[#set + 1], set[#set + 2] = SEQ, fmt('%d', seq)
 call('HSET', K_STATE, unpack_(set))
-call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fp))
+call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fc))
 return reply({0, key, position(key, raw), 0, 0}, W, R)

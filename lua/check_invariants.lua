@@ -29,7 +29,7 @@ local specs, counts, limits, meta, records, finish, fcount = {}, {}, {}, {}, {},
 for i = 1, #fields, 2 do
   local f, v = fields[i], fields[i + 1]
   local b = byte(f, 1)
-  if (b == 4 or b == 5) and find(f, '\0', 1, true) then -- a flow record (key names hold no \0)
+  if (b == 4 or b == 5) and find(f, '\1', 2, true) then -- a flow record (key names hold no \1)
     if b == 4 then finish[sub(f, 2)] = v else fcount[sub(f, 2)] = tonumber(v) end
   elseif b == 0 then
     limits[sub(f, 2)] = tonumber(v)
@@ -62,9 +62,9 @@ for job, raw in pairs(specs) do
       else
         members[m] = true
         local z = find(m, '\0', #key + ENTRY_JOB, true)
-        local y = find(m, '\0', z + 3, true)
-        if sub(m, #key + ENTRY_JOB, z - 1) ~= job or sub(m, y + 1) ~= raw then bad('wait entry differs from spec ' .. job) end
-        if sub(m, z + 1, z + 2) ~= spec.ip then bad('flow part of another priority ' .. job) end
+        local y = find(m, '\0', z + 1, true)
+        if sub(m, #key + ENTRY_JOB, z - 1) ~= job or entry_raw(m, #key, y) ~= raw then bad('wait entry differs from spec ' .. job) end
+        if sub(m, z + 1, z + #key + 4) ~= '\5' .. key .. '\1' .. spec.ip then bad('flow field of another key or priority ' .. job) end
       end
     end
   end
@@ -94,9 +94,9 @@ for _, m in ipairs(call('ZRANGE', K_WAITS, 0, -1)) do -- in queue order
   local key = sub(m, 1, kz - 1)
   waiters[key] = true
   local z = find(m, '\0', #key + ENTRY_JOB, true)
-  local y = z and find(m, '\0', z + 3, true)
+  local y = z and find(m, '\0', z + 1, true)
   if y then
-    local fl = key .. '\0' .. sub(m, z + 1, y - 1)
+    local fl = sub(m, z + 2, y - 1) -- key \1 fp, the flow's records less their first byte
     per_flow[fl] = (per_flow[fl] or 0) + 1
     local o = kz + 1 -- the order bytes: ip, tag, backlog start, seq
     local tag, start, seq = sub(m, o + 2, o + 17), sub(m, o + 18, o + 29), sub(m, o + 30, o + 41)

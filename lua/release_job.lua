@@ -60,31 +60,31 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEY
     if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key, key_limit) end
     return 1 -- (at 0 it is idle: its limit goes too, see handoff)
   end
-  -- The head's wait entry: its job id at kl + ENTRY_JOB, ended by the \0 at z; its flow
-  -- part fp from z + 1, ended by the \0 at y; spec byte i at y + i.
+  -- The head's wait entry: its job id at kl + ENTRY_JOB, ended by the \0 at z; its flow's
+  -- count field from z + 1, ended by the \0 at y; then its spec less the order bytes
+  -- (see ENTRY_JOB in _lib.lua).
   local kl = #key
   local z = find(head, '\0', kl + ENTRY_JOB, true)
-  local y = find(head, '\0', z + 3, true)
+  local y = find(head, '\0', z + 1, true)
   local nk = byte(head, y + SPEC_NK)
   if nk == 1 and call('ZREM', K_LEASES, job) == 1 then
     -- A one-key head takes the slot and is leased; the count stands. One fewer of its
     -- flow waits here (flow_left, inline): at none, its records go with the spec.
     call('ZREM', K_WAITS, head)
-    local fp = sub(head, z + 1, y - 1)
-    local fc = key_fc .. fp
+    local fc = sub(head, z + 1, y - 1)
     if call('HINCRBY', K_STATE, fc, -1) > 0 then
       call('HDEL', K_STATE, jf)
     else
-      call('HDEL', K_STATE, jf, key_fr .. fp, fc)
+      call('HDEL', K_STATE, jf, '\4' .. sub(fc, 2), fc)
     end
     local woken = sub(head, kl + ENTRY_JOB, z - 1)
-    local lss = sub(head, y + SPEC_TAIL, y + SPEC_LEASE_END)
+    local lss = sub(head, y + ENTRY_LEASE, y + ENTRY_LEASE_END)
     if lss ~= ls_s then ls_s, ls_n = lss, lss + 0 end -- lease_ms, inline
     local e = now + ls_n -- lease, inline (the `due` local is not read again by this call)
     local es = fmt('%d', e)
     call('ZADD', K_LEASES, es, woken)
     if not due or e < due then call('HSET', K_STATE, DUE, es) end
-    return woken .. '\0' .. sub(head, y + SPEC_KEYS + kl + 1) -- the data, after its one key and \1
+    return woken .. '\0' .. sub(head, y + ENTRY_KEYS + kl + 1) -- the data, after its one key and \1
   end
   -- A multi-key head, or the released job was parked: the general path below.
 end

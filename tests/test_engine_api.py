@@ -158,7 +158,7 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(self.e.release(tag=T, job_id="hold-a").woken, [])  # m takes a, parks on b
         state = self.e.inspect_job(tag=T, job_id="m")
         self.assertEqual((state.held_keys, state.parked_on, state.position), (["a"], "b", 2))
-        self.assertIn(b"\5b\x00ffQ", self.flow_fields())  # its flow on b, from its admit
+        self.assertIn(b"\5b\x01ffQ", self.flow_fields())  # its flow on b, from its admit
         self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="x").woken], ["y"])
         self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="y").woken], ["m"])
         self.assertEqual(self.e.check_invariants(tag=T), [])

@@ -318,8 +318,8 @@ def engine_records(engine: Engine, tag: str) -> dict[tuple[str, str], tuple[str,
     fields = engine.client.hgetall(key_name(engine.prefix, tag, "state"))
     out: dict[tuple[str, str], tuple[str, int]] = {}
     for f, v in fields.items():
-        if f[:1] == b"\4" and b"\0" in f:
-            key, fp = f[1:].decode().split("\0", 1)
+        if f[:1] == b"\4" and b"\1" in f[1:]:
+            key, fp = f[1:].decode().split("\1", 1)
             out[(key, fp)] = (v.decode(), int(fields[b"\5" + f[1:]]))
     return out
 

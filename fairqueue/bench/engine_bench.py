@@ -35,8 +35,9 @@ TRIVIAL = "return redis.call('incr', KEYS[1])"
 # without (the clock's PTTL, HMGET of spec/due/count/limit, HDEL of the spec, ZREM of the
 # lease, the queue head by ZRANGEBYLEX, its ZREM, the HINCRBY of the head's flow count, the
 # woken job's ZADD), with no logic around them, replying like the engine. It reads the
-# engine's key order and wait-entry layout (lua/_lib.lua: ENTRY_JOB 45, the flow part after
-# the job id, the lease at spec bytes 45-54) to find the woken job, its flow and lease.
+# engine's key order and wait-entry layout (lua/_lib.lua: ENTRY_JOB 45, the flow's count
+# field after the job id, then the spec less its 42 order bytes: the lease at bytes 3-12
+# after the field) to find the woken job, its flow and lease.
 TRIVIAL_LIBRARY_NAME = "fqbench_trivial"
 TRIVIAL_LIBRARY = (
     f"#!lua name={TRIVIAL_LIBRARY_NAME}\n"
@@ -53,10 +54,10 @@ redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   redis.call('ZREM', KEYS[2], head)
   local j = #key + 45
   local z = string.find(head, '\\0', j, true)
-  local y = string.find(head, '\\0', z + 3, true)
-  redis.call('HINCRBY', KEYS[1], '\\5' .. key .. '\\0' .. string.sub(head, z + 1, y - 1), -1)
+  local y = string.find(head, '\\0', z + 1, true)
+  redis.call('HINCRBY', KEYS[1], string.sub(head, z + 1, y - 1), -1)
   local woken = string.sub(head, j, z - 1)
-  redis.call('ZADD', KEYS[3], string.format('%d', now + string.sub(head, y + 45, y + 54)), woken)
+  redis.call('ZADD', KEYS[3], string.format('%d', now + string.sub(head, y + 3, y + 12)), woken)
   return woken .. '\\0'
 end)
 """
