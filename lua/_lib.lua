@@ -422,7 +422,8 @@ end
 -- The count is written back once at the end (safe: a woken job only goes on to later
 -- keys, never this one), so a release that hands its slot on writes no count at all; with
 -- `batch` it is appended to the pending writes of drop (see there) instead, and so are the
--- records of a flow left with no waiter. A key left with no holder and a limit above 0 has
+-- records of a flow left with no waiter (safe for the same reason: nothing parks on this
+-- key later in the drop). A key left with no holder and a limit above 0 has
 -- nobody waiting (the loop found no head, or it had room before): it is idle and its
 -- limit goes with its count. (Waiters of a limit-0 key keep theirs.)
 local function handoff(key, c, l, stored, woken, full, batch)
@@ -487,7 +488,9 @@ local function free_held(job, raw, k, ko, woken, admitted, cl, co)
     if m then
       call('ZREM', K_WAITS, m)
       local z = find(m, '\0', #key + ENTRY_JOB, true)
-      flow_left(sub(m, z + 1, find(m, '\0', z + 1, true) - 1), true)
+      -- Not deferred to drop's HDEL: a job woken below on an earlier key may go on to
+      -- park on this (later) key in this very call and start the flow's records anew.
+      flow_left(sub(m, z + 1, find(m, '\0', z + 1, true) - 1), false)
     end
   end
   for i = 1, held do

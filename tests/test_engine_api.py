@@ -191,6 +191,19 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual(self.flow_fields(), set())
         self.assertEqual(self.e.check_invariants(tag=T), [])
 
+    def test_cancel_of_a_job_parked_on_a_later_key_keeps_the_flow_records_of_the_job_woken_there(self) -> None:
+        """Found by the stateful test: a cancelled job held "a" and waited on "b" alone in its
+        flow; the job its slot on "a" goes to moves on to "b" in the same call, in that flow."""
+        self.e.admit(tag=T, job_id="hb", keys={"b": 1}, lease_seconds=60)
+        self.e.admit(tag=T, job_id="p", keys={"a": 1, "b": 1}, lease_seconds=60)  # holds a, waits on b
+        self.e.admit(tag=T, job_id="q", keys={"a": 1, "b": 1}, lease_seconds=60)  # waits on a
+        self.assertTrue(self.e.cancel(tag=T, job_id="p").cancelled)
+        state = self.e.inspect_job(tag=T, job_id="q")
+        self.assertEqual((state.held_keys, state.parked_on), (["a"], "b"))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="hb").woken], ["q"])
+        self.assertEqual(self.flow_fields(), set())
+
     def test_per_flow_state_ends_with_the_flows_waiters(self) -> None:
         """1,000 flows each wait once on one key and are served: no flow record outlives
         its flow's last waiter, whether it leaves by handoff (hinted or not) or by cancel."""

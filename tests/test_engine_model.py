@@ -261,10 +261,11 @@ def fairness_violations(log: list[Event], costs: dict[str, int]) -> list[str]:
     """Replay a model's log and check the fairness bound between every two flows that wait on
     one key at one priority, counting services from the moment both wait (the later of
     their backlog starts) for as long as both keep waiting without a withdrawal (a withdrawn
-    waiter leaves a gap in its flow's tags until the flow's backlog ends). Equal costs: their
-    service counts never differ by more than one job. Otherwise n_f*c_f and n_g*c_g (the
-    service in virtual time) stay within max(c_f, c_g) of each other. `costs`: flow -> cost
-    (one weight per flow)."""
+    waiter leaves a gap in its flow's tags until the flow's backlog ends): with n_f, n_g
+    services and costs c_f, c_g (one weight per flow: `costs` maps flow -> cost),
+    |n_f*c_f - n_g*c_g| < c_f + c_g, i.e. each flow's count stays strictly within one job
+    of its weighted share n*c_g/(c_f+c_g) of the pair's n services; at equal weights the two
+    counts never differ by more than one job (checked as such too)."""
     waiting: dict[FlowKey, int] = {}
     clean: dict[FlowKey, bool] = {}
     pairs: dict[tuple[FlowKey, FlowKey], list[int]] = {}  # both backlogged, clean -> [n_f, n_g]
@@ -288,10 +289,9 @@ def fairness_violations(log: list[Event], costs: dict[str, int]) -> list[str]:
             if event == "serve":
                 counts[0 if fk == f else 1] += 1
                 cf, cg = costs[f[2]], costs[g[2]]
+                ok = abs(counts[0] * cf - counts[1] * cg) < cf + cg
                 if cf == cg:
-                    ok = abs(counts[0] - counts[1]) <= 1
-                else:
-                    ok = abs(counts[0] * cf - counts[1] * cg) <= max(cf, cg)
+                    ok = ok and abs(counts[0] - counts[1]) <= 1
                 if not ok:
                     out.append(f"event {i}: {f} and {g} served {counts} (costs {cf}, {cg})")
             if event == "withdraw" or not waiting[fk]:

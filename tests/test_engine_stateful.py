@@ -22,7 +22,7 @@ from tests.test_engine_model import Event, Model, MResult, assert_agree, fairnes
 
 POOL = ["a", "b", "c", "d"]
 # One weight per flow, so the fairness bound applies between any two of them.
-WEIGHTS = {"": 1.0, "x": 1.0, "y": 2.0, "z": 0.5}
+WEIGHTS = {"": 1.0, "x": 1.0, "y": 2.0, "z": 0.5, "w": 1.5}
 COSTS = {flow: flow_cost(w) for flow, w in WEIGHTS.items()}
 flow_names = st.sampled_from(sorted(WEIGHTS))
 TAG = "s:stateful"
@@ -230,7 +230,7 @@ class BackloggedFlowsTest(RedisTestCase):
             max_examples=max(20, EXAMPLES // 2), deadline=None, database=None, suppress_health_check=list(HealthCheck)
         )
         def check(steps: list[tuple[str, str]], weighted: bool) -> None:
-            self.run_case({"a": 2.0 if weighted else 1.0, "b": 1.0, "c": 1.0}, steps)
+            self.run_case({"a": 2.0 if weighted else 1.0, "b": 1.0, "c": 1.5 if weighted else 1.0}, steps)
 
         check()
 
