@@ -16,7 +16,13 @@
 --                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
 --                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
 --                  when there are none)
---   2 waits  ZSET  key\0<255-p: 2 hex><seq: 16 hex>\0job\0<spec> (score 0, see ENTRY_JOB)
+--                  | "\4"..key.."\1"..fp -> the flow's last finish tag (16 hex) and the
+--                  start of its backlog (12 hex) | "\5"..key.."\1"..fp -> how many of the
+--                  flow's jobs wait on key at that priority; fp = <255-p: 2 hex>..flow.
+--                  Both exist exactly while that count is above 0 (see park, flow_left).
+--   2 waits  ZSET  key\0<order: 42 bytes>\0job\0<"\5"..key.."\1"..fp>\0<spec> (score 0,
+--                  see ENTRY_JOB); the order is 255-p, the virtual start tag, the flow's
+--                  backlog start, seq
 --   3 leases ZSET  job -> lease expiry (ms, server time); exactly the fully admitted jobs
 --   4 clock  STRING  empty, expiring at CLOCK_END: the server clock as one integer (clock)
 -- Key names contain none of \0 \1 \2 \3 and job ids no \0, so the field kinds of `state` never
@@ -44,29 +50,51 @@ local call, fmt, sub, find, byte, char, floor, unpack_
 -- that never use most of it.
 local IP, ip_cached = {}, 0
 local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and limits
-local NOSEQ = '0000000000000000'
+-- The order bytes of a spec that never waited (admitted at once): tag, backlog start, seq.
+local NOSEQ = '0000000000000000000000000000000000000000'
+local ZERO_TAG = '0000000000000000'
 local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
 
 -- The spec, byte by byte (1-based, as string.byte and string.sub count):
 --   [1]      n: index of the key the job is parked on, as a byte (#keys+1 once admitted)
 --   [2]      number of keys, as a byte
---   [3-4]    255-priority, 2 hex  \ the wait order: a wait entry copies these 18 bytes,
---   [5-20]   wait seq, 16 hex     / so a key's queue sorts by priority, then arrival
---   [21-30]  lease ms, 10 digits zero-padded (admit_job stores ARGV[3] as given)
---   [31..]   key1 "\0" key2 ... (sorted) "\1" data
--- Bytes 21.. (the tail) never change: a state change rewrites the 20-byte header and reuses
+--   [3-4]    255-priority, 2 hex          \
+--   [5-20]   virtual start tag, 16 hex     | the wait order (42 bytes): a wait entry
+--   [21-32]  the flow's backlog start, 12 hex | copies them, so a key's queue sorts by
+--   [33-44]  wait seq, 12 hex             /  priority, tag, backlog start, arrival
+--   [45-54]  lease ms, 10 digits zero-padded (admit_job stores ARGV[3] as given)
+--   [55..]   key1 "\0" key2 ... (sorted) "\1" data
+-- Bytes 45.. (the tail) never change: a state change rewrites the 44-byte header and reuses
 -- the tail verbatim, and the hot paths read single bytes at these offsets instead of
 -- decoding the whole string. Upvalues, so naming them costs nothing on the hot paths.
 local SPEC_N, SPEC_NK = 1, 2 -- the parked-on key index, the key count
-local SPEC_PRIO = 3 -- first byte of the wait order (priority, then seq)
-local SPEC_SEQ = 5 -- first byte of the wait seq
-local SPEC_TAIL = 21 -- first byte of the tail, which starts with the lease
-local SPEC_LEASE_END = 30 -- last lease digit
-local SPEC_KEYS = 31 -- first byte of the first key name
+local SPEC_PRIO = 3 -- first byte of the wait order (priority, tag, backlog start, seq)
+local SPEC_TAG = 5 -- first byte of the virtual start tag
+local SPEC_SEQ = 33 -- first byte of the wait seq
+local SPEC_TAIL = 45 -- first byte of the tail, which starts with the lease
+local SPEC_LEASE_END = 54 -- last lease digit
+local SPEC_KEYS = 55 -- first byte of the first key name
 -- A wait entry is key "\0" <the spec's wait order, bytes SPEC_PRIO..SPEC_TAIL-1> "\0" job
--- "\0" spec, so the job id starts at byte #key + ENTRY_JOB (after #key, "\0", 18 order
--- bytes, "\0"); with z the "\0" that ends the job id, spec byte i is entry byte z + i.
-local ENTRY_JOB = 21
+-- "\0" fc "\0" <spec bytes 1-2> <spec bytes SPEC_TAIL..>: fc is the name of the flow's count
+-- field, "\5" key "\1" fp, fp being the 2 priority bytes and the flow of the key it waits
+-- on (so a handoff has the name without building it); the spec follows without its order
+-- bytes, which the entry holds already (entry_raw puts them back). The job id starts at
+-- byte #key + ENTRY_JOB (after #key, "\0", 42 order bytes, "\0"); with z the "\0" that
+-- ends the job id, fc is bytes z+1 .. y-1 where y is the next "\0" (fc holds none); then
+-- spec bytes SPEC_N, SPEC_NK are entry bytes y + SPEC_N, y + SPEC_NK, the lease is y +
+-- ENTRY_LEASE .. y + ENTRY_LEASE_END and the first key starts at y + ENTRY_KEYS.
+local ENTRY_JOB = 45
+local ORDER_LEN = SPEC_TAIL - SPEC_PRIO -- 42
+local ENTRY_LEASE = SPEC_TAIL - ORDER_LEN -- 3
+local ENTRY_LEASE_END, ENTRY_KEYS = SPEC_LEASE_END - ORDER_LEN, SPEC_KEYS - ORDER_LEN -- 12, 13
+-- Fair order (docs/engine.md, "Fair order"): a parked job's virtual start tag is
+-- max(V, its flow's last finish tag on that key and priority), V being the tag of the
+-- key's head waiter at that priority (0 when none); its finish tag adds its cost,
+-- DEFAULT_COST / weight (ops.flow_cost: DEFAULT_COST is weight 1; mirrored by
+-- ops.DEFAULT_COST). Tags stop growing at TAG_MAX (exact in a double's 53 bits): a queue
+-- that never empties for ~2^33 jobs of weight 1 then orders its new waiters by arrival.
+local DEFAULT_COST = 1048576
+local TAG_MAX = 9007199254740991
 -- Expired leases an operation other than the sweep reclaims when one is due: it bounds the
 -- extra work of any one call (reclaim_leases, the sweep, takes its max from the caller).
 -- Mirrored by INLINE_RECLAIM in fairqueue/engine/ops.py.
@@ -176,7 +204,7 @@ local function clock()
   for i = #R, 1, -1 do R[i] = nil end
 end
 
--- A spec string from its parts.
+-- A spec string from its parts (`q`: the 40 order bytes after the priority).
 local function spec_raw(n, nk, ip, q, tail)
   return char(n, nk) .. ip .. q .. tail
 end
@@ -197,8 +225,8 @@ local function parse(raw)
     pos = nxt
   end
   return {
-    n = byte(raw, SPEC_N), nk = byte(raw, SPEC_NK), ip = sub(raw, SPEC_PRIO, SPEC_SEQ - 1),
-    q = sub(raw, SPEC_SEQ, SPEC_TAIL - 1), tail = sub(raw, SPEC_TAIL),
+    n = byte(raw, SPEC_N), nk = byte(raw, SPEC_NK), ip = sub(raw, SPEC_PRIO, SPEC_TAG - 1),
+    tail = sub(raw, SPEC_TAIL),
     k = k, ls = lease_ms(sub(raw, SPEC_TAIL, SPEC_LEASE_END)), d = sub(raw, y + 1), raw = raw,
   }
 end
@@ -213,15 +241,29 @@ local function prio(spec)
   return 255 - tonumber(spec.ip, 16)
 end
 
--- The wait entry of a job parked on `key` with spec string `raw`: ordered by key, then
--- priority, then arrival (the spec's wait order); the rest makes the entry self-contained.
-local function wait_member(key, raw, job)
-  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. raw
+-- The wait entry of a job parked on `key` with spec string `raw`, its flow's count field
+-- being `fc`: ordered by key, then the spec's wait order (priority, tag, backlog start,
+-- arrival); the rest makes the entry self-contained (fc names the flow's records).
+local function wait_entry(key, raw, job, fc)
+  return key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\0' .. job .. '\0' .. fc .. '\0' .. sub(raw, 1, 2) .. sub(raw, SPEC_TAIL)
+end
+
+-- The spec string of the wait entry `m` of a key of `klen` bytes (y: the "\0" after its
+-- flow's count field): its first two bytes, the order bytes from the entry's prefix, its tail.
+local function entry_raw(m, klen, y)
+  return sub(m, y + 1, y + 2) .. sub(m, klen + 2, klen + 1 + ORDER_LEN) .. sub(m, y + ENTRY_LEASE)
+end
+
+-- The wait entry of a job parked on `key` with spec `raw`, found by its order bytes (unique:
+-- they end with the arrival seq), or nil: O(log n). Cold paths (withdrawal, audit).
+local function find_entry(key, raw)
+  local pre = key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1)
+  return call('ZRANGEBYLEX', K_WAITS, '[' .. pre .. '\0', '(' .. pre .. '\1', 'LIMIT', '0', '1')[1]
 end
 
 -- 1-based place of a parked job in its key's queue: O(log n).
-local function position(key, raw, job)
-  return call('ZLEXCOUNT', K_WAITS, '[' .. key .. '\0', '[' .. wait_member(key, raw, job))
+local function position(key, raw)
+  return call('ZLEXCOUNT', K_WAITS, '[' .. key .. '\0', '(' .. key .. '\0' .. sub(raw, SPEC_PRIO, SPEC_TAIL - 1) .. '\1')
 end
 
 -- Lease a job that now holds every key; keeps "\1due" a lower bound of all expiries.
@@ -235,27 +277,92 @@ local function lease(job, ls)
   end
 end
 
--- Park the job on its n-th key (it holds keys 1..n-1): fresh seq, wait entry, spec rewritten;
--- `lim`, when given, is the key's limit to store (it had none: it was idle).
-local function park(job, spec, n, lim)
-  local raw = spec_raw(n, spec.nk, spec.ip, fmt('%016x', call('HINCRBY', K_STATE, SEQ, 1)), spec.tail)
-  local key = spec.k[n]
-  call('ZADD', K_WAITS, 0, wait_member(key, raw, job))
-  if lim then
-    call('HSET', K_STATE, '\2' .. job, raw, '\0' .. key, lim)
+-- The flow and cost a job passed for its i-th key. `fa` is the admit's flows argument: ""
+-- when every key has the default flow "" at weight 1 (cost DEFAULT_COST), otherwise one
+-- flow "\1" cost per key, joined by "\0" in key order (flows hold no \0 or \1: ops.py).
+local function flow_of(fa, i)
+  if not fa or fa == '' then return '', DEFAULT_COST end
+  local pos = 1
+  for _ = 2, i do pos = find(fa, '\0', pos, true) + 1 end
+  local z = find(fa, '\0', pos, true)
+  local x = find(fa, '\1', pos, true)
+  return sub(fa, pos, x - 1), sub(fa, x + 1, z and z - 1 or #fa) + 0
+end
+
+-- Fair order, on the park path only. A job about to wait on `key` at priority `ip` (2 hex)
+-- in `flow` with `cost` (ops.flow_cost: DEFAULT_COST / weight) and fresh arrival seq `seq`
+-- (12 hex) gets the virtual start tag
+--   max(V, F)   V: the tag of the key's head waiter at this priority (0 when none),
+--               F: the flow's last finish tag here (only while the flow has waiters here)
+-- and the flow's finish tag becomes tag + cost. While a flow has waiters here F >= the tag of
+-- each of them >= V, so max(V, F) = F and the head is not even read. The backlog start is
+-- the seq of the job that began the flow's current backlog: equal tags are served in the
+-- order the flows began to wait, which keeps equally weighted backlogged flows within one
+-- job of each other (docs/engine.md). Appends the flow's two records (finish tag and start;
+-- waiter count) to `set` as field, value pairs; returns the 40 order bytes after the
+-- priority and the name of the flow's count field (for the wait entry).
+local function fair_order(key, ip, flow, cost, seq, set)
+  local fp = key .. '\1' .. ip .. flow
+  local fr, fc = '\4' .. fp, '\5' .. fp
+  local rec = call('HMGET', K_STATE, fr, fc)
+  local cnt = num(rec[2]) or 0
+  local tag, start
+  if cnt > 0 and rec[1] then
+    tag, start = sub(rec[1], 1, 16), sub(rec[1], 17)
   else
-    call('HSET', K_STATE, '\2' .. job, raw)
+    cnt = 0
+    local kl = #key
+    local head = call('ZRANGEBYLEX', K_WAITS, '[' .. key .. '\0' .. ip, '(' .. key .. '\1', 'LIMIT', '0', '1')[1]
+    if head and sub(head, kl + 2, kl + 3) == ip then tag = sub(head, kl + 4, kl + 19) else tag = ZERO_TAG end
+    start = seq
+  end
+  local fin = tonumber(tag, 16) + cost
+  if fin > TAG_MAX then fin = TAG_MAX end
+  set[#set + 1], set[#set + 2] = fr, fmt('%016x', fin) .. start
+  set[#set + 1], set[#set + 2] = fc, int(cnt + 1)
+  return tag .. start .. seq, fc
+end
+
+-- A waiter whose flow's count field is `fc` left its key's queue (handed a slot, or
+-- withdrawn): one fewer of its flow waits there; at none, the flow's records go (with
+-- `batch`, in drop's HDEL).
+-- A withdrawn waiter leaves the flow's finish tag as it was: its later jobs queue behind
+-- the place it held, never before an earlier job of the flow.
+local function flow_left(fc, batch)
+  if call('HINCRBY', K_STATE, fc, -1) > 0 then return end
+  if batch then
+    DELS[#DELS + 1] = '\4' .. sub(fc, 2)
+    DELS[#DELS + 1] = fc
+  else
+    call('HDEL', K_STATE, '\4' .. sub(fc, 2), fc)
   end
 end
 
--- The limit `job` passed at admission for its i-th key (its "\3" record), as a string.
-local function own_limit(job, i)
-  local all = call('HGET', K_STATE, '\3' .. job)
-  if not all then return '0' end -- only a damaged state lacks it: park there (audit flags it)
+-- Park the job on its n-th key (it holds keys 1..n-1) in `flow` with `cost`: fresh seq, fair
+-- order, wait entry, spec rewritten; `lim`, when given, is the key's limit to store (it had
+-- none: it was idle).
+local function park(job, spec, n, lim, flow, cost)
+  local key = spec.k[n]
+  local set = {}
+  local q, fc = fair_order(key, spec.ip, flow, cost, fmt('%012x', call('HINCRBY', K_STATE, SEQ, 1)), set)
+  local raw = spec_raw(n, spec.nk, spec.ip, q, spec.tail)
+  call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fc))
+  set[#set + 1], set[#set + 2] = '\2' .. job, raw
+  if lim then set[#set + 1], set[#set + 2] = '\0' .. key, lim end
+  call('HSET', K_STATE, unpack_(set))
+end
+
+-- What `job` passed at admission for its i-th key (from its "\3" record `all`, a string or
+-- false): the limit (a string), the flow and the cost.
+local function own(all, i)
+  if not all then return '0', '', DEFAULT_COST end -- only a damaged state lacks it: park there (audit flags it)
+  local x = find(all, '\2', 1, true)
   local pos = 1
   for _ = 2, i do pos = find(all, '\0', pos, true) + 1 end
   local z = find(all, '\0', pos, true)
-  return sub(all, pos, z and z - 1 or #all)
+  if x and (not z or z > x) then z = x end
+  local flow, cost = flow_of(x and sub(all, x + 1) or '', i)
+  return sub(all, pos, z and z - 1 or #all), flow, cost
 end
 
 -- A job that holds keys 1..n-1 goes on to take the rest while they have room, parking on
@@ -263,14 +370,21 @@ end
 -- is not rewritten), false when parked.
 local function grant_rest(job, spec, n)
   local k = spec.k
+  local rec -- its "\3" record, read when first needed
   for i = n, #k do
     local key = k[i]
     local r = call('HMGET', K_STATE, key, '\0' .. key)
     local c = num(r[1]) or 0
     local stored = r[2]
-    local lim = stored or own_limit(job, i) -- an idle key (no holders) forgot its limit
+    local lim = stored
+    if not stored then -- an idle key (no holders) forgot its limit: the job brings its own
+      rec = rec or call('HGET', K_STATE, '\3' .. job)
+      lim = own(rec, i)
+    end
     if c >= num(lim) then
-      park(job, spec, i, not stored and lim)
+      rec = rec or call('HGET', K_STATE, '\3' .. job)
+      local _, flow, cost = own(rec, i)
+      park(job, spec, i, not stored and lim, flow, cost)
       return false
     end
     if stored then
@@ -284,34 +398,34 @@ local function grant_rest(job, spec, n)
   return true
 end
 
--- The head waiter `m` of a key of `klen` bytes got its slot: let it take its later keys
--- (or, on its last key, just lease it, reading only the bytes needed). Returns the job
--- and its data when it now holds every key, nil when it parked on a later key.
-local function wake(m, klen)
-  local j = klen + ENTRY_JOB
-  local z = find(m, '\0', j, true)
-  local job = sub(m, j, z - 1)
-  local n = byte(m, z + SPEC_N) + 1 -- the next key to take
-  if n > byte(m, z + SPEC_NK) then
-    lease(job, lease_ms(sub(m, z + SPEC_TAIL, z + SPEC_LEASE_END)))
-    return job, sub(m, find(m, '\1', z + SPEC_KEYS, true) + 1)
+-- The head waiter `m` of a key of `klen` bytes got its slot (z, y: the "\0"s after its job
+-- id and its flow's count field): let it take its later keys (or, on its last key, just lease it,
+-- reading only the bytes needed). Returns the job and its data when it now holds every
+-- key, nil when it parked on a later key.
+local function wake(m, klen, z, y)
+  local job = sub(m, klen + ENTRY_JOB, z - 1)
+  local n = byte(m, y + SPEC_N) + 1 -- the next key to take
+  if n > byte(m, y + SPEC_NK) then
+    lease(job, lease_ms(sub(m, y + ENTRY_LEASE, y + ENTRY_LEASE_END)))
+    return job, sub(m, find(m, '\1', y + ENTRY_KEYS, true) + 1)
   end
-  local spec = parse(sub(m, z + 1))
+  local spec = parse(entry_raw(m, klen, y))
   if grant_rest(job, spec, n) then return job, spec.d end
   return nil
 end
 
 -- `key` now has `c` holders (Redis holds `stored`) and limit `l`: while it has room and
--- waiters, give the head waiter (highest priority, then FIFO) the slot and let it go on
--- to its later keys. Fully admitted jobs are appended to `woken` as job_id, data pairs.
+-- waiters, give the head waiter (highest priority, then fair order) the slot and let it go
+-- on to its later keys. Fully admitted jobs are appended to `woken` as job_id, data pairs.
 -- `full` says whether the key may have waiters at all: by the invariant only a key that
 -- was full (count >= limit) can, so a release on a key that had room skips the lookup.
 -- The count is written back once at the end (safe: a woken job only goes on to later
 -- keys, never this one), so a release that hands its slot on writes no count at all; with
--- `batch` it is appended to the pending writes of drop (see there) instead. A key left
--- with no holder and a limit above 0 has nobody waiting (the loop found no head, or it had
--- room before): it is idle and its limit goes with its count. (Waiters of a limit-0 key
--- keep theirs.)
+-- `batch` it is appended to the pending writes of drop (see there) instead, and so are the
+-- records of a flow left with no waiter (safe for the same reason: nothing parks on this
+-- key later in the drop). A key left with no holder and a limit above 0 has
+-- nobody waiting (the loop found no head, or it had room before): it is idle and its
+-- limit goes with its count. (Waiters of a limit-0 key keep theirs.)
 local function handoff(key, c, l, stored, woken, full, batch)
   if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
@@ -320,8 +434,11 @@ local function handoff(key, c, l, stored, woken, full, batch)
       local head = call('ZRANGEBYLEX', K_WAITS, lo, hi, 'LIMIT', '0', '1')[1]
       if not head then break end
       call('ZREM', K_WAITS, head)
+      local z = find(head, '\0', klen + ENTRY_JOB, true)
+      local y = find(head, '\0', z + 1, true)
+      flow_left(sub(head, z + 1, y - 1), batch)
       c = c + 1
-      local job, data = wake(head, klen)
+      local job, data = wake(head, klen, z, y)
       if job then
         woken[#woken + 1] = job
         woken[#woken + 1] = data
@@ -366,7 +483,15 @@ local function free_held(job, raw, k, ko, woken, admitted, cl, co)
   local held = byte(raw, SPEC_NK)
   if not admitted then
     held = byte(raw, SPEC_N) - 1
-    call('ZREM', K_WAITS, wait_member(k[ko + held + 1], raw, job))
+    local key = k[ko + held + 1]
+    local m = find_entry(key, raw)
+    if m then
+      call('ZREM', K_WAITS, m)
+      local z = find(m, '\0', #key + ENTRY_JOB, true)
+      -- Not deferred to drop's HDEL: a job woken below on an earlier key may go on to
+      -- park on this (later) key in this very call and start the flow's records anew.
+      flow_left(sub(m, z + 1, find(m, '\0', z + 1, true) - 1), false)
+    end
   end
   for i = 1, held do
     local key = k[ko + i]
@@ -463,16 +588,16 @@ local function store_limits(argv, first, old, woken)
   return moved
 end
 
--- admit_job's one read: counts and limits of its nk keys (ARGV[6], ARGV[8], ...), then its
+-- admit_job's one read: counts and limits of its nk keys (ARGV[7], ARGV[9], ...), then its
 -- spec, "\1due", "\1seq" and "\1ready". The one-key shape builds no argument table.
 local function admit_read(argv, nk, jf)
   if nk == 1 then
-    local key = argv[6]
+    local key = argv[7]
     return call('HMGET', K_STATE, key, '\0' .. key, jf, DUE, SEQ, READY)
   end
   local fields = {}
   for i = 1, nk do
-    local key = argv[4 + 2 * i]
+    local key = argv[5 + 2 * i]
     fields[2 * i - 1] = key
     fields[2 * i] = '\0' .. key
   end

@@ -2,15 +2,19 @@
 -- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id, priority (int 0..250, higher first), lease (ms > 0, 10 digits zero-padded:
 --       the spec stores it at a fixed place), data (opaque string),
---       require_ready (1|0), then key, limit pairs with keys sorted (canonical order),
---       limits ints >= 0.
+--       require_ready (1|0), flows ("" when every key has the default flow "" at weight 1,
+--       otherwise flow "\1" cost per key joined by "\0" in key order: see flow_of), then
+--       key, limit pairs with keys sorted (canonical order), limits ints >= 0.
 -- Does, atomically: reclaim up to RECLAIM_BATCH (_lib.lua) expired leases; if job_id is known, nothing more
 -- (idempotent re-delivery: its current state is returned); else store each changed limit
 -- and hand on where a raised limit made room (before the newcomer competes: no barging);
 -- then take the keys in order, parking on the first full one. An idle key has no stored
 -- limit: this job's is stored with the grant (in the same HSET) for the keys it takes or
 -- parks on; a job parked before its last key also stores the limits it passed ("\3"..job),
--- to bring to later keys that may be idle by the time it gets there.
+-- to bring to later keys that may be idle by the time it gets there, with its flows.
+-- Parking computes the job's fair order (fair_order, _lib.lua): that read (the flow's
+-- records, and the key's head at its priority when the flow starts to wait) is only paid
+-- by a job that parks.
 -- Returns: 1 when admitted with nothing else to report; otherwise
 --          {admitted 1|0, parked key or "", position (1-based, 0 if admitted), duplicate 1|0,
 --           not_ready 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
@@ -21,7 +25,7 @@
 -- HSET, ZADD.
 local job = ARGV[1]
 clock()
-local nk = (#ARGV - 5) / 2
+local nk = (#ARGV - 6) / 2
 local jf = '\2' .. job
 local f_job = 2 * nk + 1
 local r = admit_read(ARGV, nk, jf)
@@ -33,7 +37,7 @@ if known then -- idempotent re-delivery: report where the job is
   if call('ZSCORE', K_LEASES, job) then return reply({1, '', 0, 1, 0}, W, R) end
   local spec = parse(known)
   local key = spec.k[spec.n]
-  return reply({0, key, position(key, known, job), 1, 0}, W, R)
+  return reply({0, key, position(key, known), 1, 0}, W, R)
 end
 -- Limits: the common case is "unchanged" (string compare, nothing written). A stored limit
 -- that differs is stored now (and a raise hands on); a missing one (an idle key) with the
@@ -41,29 +45,29 @@ end
 local changed = false
 for i = 1, nk do
   local stored = r[2 * i]
-  if stored and stored ~= ARGV[5 + 2 * i] then changed = true end
+  if stored and stored ~= ARGV[6 + 2 * i] then changed = true end
 end
 local r0 = r
 if changed then
   local old = {}
-  for i = 1, nk do old[i] = r[2 * i] or ARGV[5 + 2 * i] end -- missing: not stored here
-  if store_limits(ARGV, 6, old, W) then r = admit_read(ARGV, nk, jf) end
+  for i = 1, nk do old[i] = r[2 * i] or ARGV[6 + 2 * i] end -- missing: not stored here
+  if store_limits(ARGV, 7, old, W) then r = admit_read(ARGV, nk, jf) end
 end
 -- Count the keys that have room (count < limit), in order. A key's limit now is the one
 -- passed (stored, or about to be), unless the key was idle and a job woken just above took
 -- it with its own.
 local n = 1
 while n <= nk do
-  if (num(r[2 * n - 1]) or 0) >= num((not r0[2 * n] and r[2 * n]) or ARGV[5 + 2 * n]) then break end
+  if (num(r[2 * n - 1]) or 0) >= num((not r0[2 * n] and r[2 * n]) or ARGV[6 + 2 * n]) then break end
   n = n + 1
 end
 local ls = ARGV[3]
 local tail
 if nk == 1 then
-  tail = ls .. ARGV[6] .. '\1' .. ARGV[4]
+  tail = ls .. ARGV[7] .. '\1' .. ARGV[4]
 else
   local names = {}
-  for i = 1, nk do names[i] = ARGV[4 + 2 * i] end
+  for i = 1, nk do names[i] = ARGV[5 + 2 * i] end
   tail = ls .. table.concat(names, '\0') .. '\1' .. ARGV[4]
 end
 if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due"
@@ -73,19 +77,19 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
   local lower = not due or e < due
   if nk == 1 and r[2] then
     if lower then
-      call('HSET', K_STATE, ARGV[6], int((num(r[1]) or 0) + 1), jf, raw, DUE, es)
+      call('HSET', K_STATE, ARGV[7], int((num(r[1]) or 0) + 1), jf, raw, DUE, es)
     else
-      call('HSET', K_STATE, ARGV[6], int((num(r[1]) or 0) + 1), jf, raw)
+      call('HSET', K_STATE, ARGV[7], int((num(r[1]) or 0) + 1), jf, raw)
     end
   else
     local set = {}
     for i = 1, nk do
-      local key = ARGV[4 + 2 * i]
+      local key = ARGV[5 + 2 * i]
       set[#set + 1] = key
       set[#set + 1] = int((num(r[2 * i - 1]) or 0) + 1)
       if not r[2 * i] then -- an idle key: its limit is now this job's
         set[#set + 1] = '\0' .. key
-        set[#set + 1] = ARGV[5 + 2 * i]
+        set[#set + 1] = ARGV[6 + 2 * i]
       end
     end
     set[#set + 1], set[#set + 2] = jf, raw
@@ -96,29 +100,35 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
   if #W == 0 and #R == 0 then return 1 end
   return reply({1, '', 0, 0, 0}, W, R)
 end
--- Parked on key n: counts of keys 1..n-1, the spec and the arrival counter in one HSET.
+-- Parked on key n: its fair order (which reads the flow's records), then counts of keys
+-- 1..n-1, the flow's records, the spec and the arrival counter in one HSET.
 local seq = (num(r[f_job + 2]) or 0) + 1
-local raw = spec_raw(n, nk, ip_of(ARGV[2]), fmt('%016x', seq), tail)
+local key = ARGV[5 + 2 * n]
+local ip = ip_of(ARGV[2])
 local set = {}
+local flow, cost = flow_of(ARGV[6], n)
+local q, fc = fair_order(key, ip, flow, cost, fmt('%012x', seq), set)
+local raw = spec_raw(n, nk, ip, q, tail)
 for i = 1, n do
-  local key = ARGV[4 + 2 * i]
+  local k = ARGV[5 + 2 * i]
   if i < n then
-    set[#set + 1] = key
+    set[#set + 1] = k
     set[#set + 1] = int((num(r[2 * i - 1]) or 0) + 1)
   end
   if not r[2 * i] then -- an idle key (or a new one): its limit is now this job's
-    set[#set + 1] = '\0' .. key
-    set[#set + 1] = ARGV[5 + 2 * i]
+    set[#set + 1] = '\0' .. k
+    set[#set + 1] = ARGV[6 + 2 * i]
   end
 end
-if n < nk then -- it will go on to later keys: keep the limits it passed
+if n < nk then -- it will go on to later keys: keep the limits (and flows) it passed
   local lims = {}
-  for i = 1, nk do lims[i] = ARGV[5 + 2 * i] end
-  set[#set + 1], set[#set + 2] = '\3' .. job, table.concat(lims, '\0')
+  for i = 1, nk do lims[i] = ARGV[6 + 2 * i] end
+  local rec = table.concat(lims, '\0')
+  if ARGV[6] ~= '' then rec = rec .. '\2' .. ARGV[6] end
+  set[#set + 1], set[#set + 2] = '\3' .. job, rec
 end
 set[#set + 1], set[#set + 2] = jf, raw
 set[#set + 1], set[#set + 2] = SEQ, fmt('%d', seq)
 call('HSET', K_STATE, unpack_(set))
-local key = ARGV[4 + 2 * n]
-call('ZADD', K_WAITS, 0, wait_member(key, raw, job))
-return reply({0, key, position(key, raw, job), 0, 0}, W, R)
+call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fc))
+return reply({0, key, position(key, raw), 0, 0}, W, R)

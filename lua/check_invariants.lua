@@ -8,7 +8,11 @@
 -- key with waiters has room (count < limit); every key with holders or waiters has a
 -- limit; every lease and every limits record ("\3"..job) belongs to a job, and a job
 -- parked before its last key has its record; "\1due" is at
--- most the earliest lease expiry (and present whenever a lease is).
+-- most the earliest lease expiry (and present whenever a lease is). Fair order: each flow
+-- with waiters on a key at a priority has both records ("\4", "\5"), and only such flows
+-- do; the count is its number of wait entries, every entry carries the backlog start of
+-- the record, the finish tag is at least every entry's tag, and the flow's entries are
+-- in arrival order (FIFO within a flow).
 -- Returns: {problem description, ...} (empty when consistent)
 local problems = {}
 local function bad(msg) problems[#problems + 1] = msg end
@@ -21,11 +25,13 @@ for i = 1, #leases, 2 do
   if not earliest or e < earliest then earliest = e end
 end
 local fields = call('HGETALL', K_STATE)
-local specs, counts, limits, meta, records = {}, {}, {}, {}, {}
+local specs, counts, limits, meta, records, finish, fcount = {}, {}, {}, {}, {}, {}, {}
 for i = 1, #fields, 2 do
   local f, v = fields[i], fields[i + 1]
   local b = byte(f, 1)
-  if b == 0 then
+  if (b == 4 or b == 5) and find(f, '\1', 2, true) then -- a flow record (key names hold no \1)
+    if b == 4 then finish[sub(f, 2)] = v else fcount[sub(f, 2)] = tonumber(v) end
+  elseif b == 0 then
     limits[sub(f, 2)] = tonumber(v)
   elseif b == 1 then
     meta[f] = v
@@ -49,9 +55,17 @@ for job, raw in pairs(specs) do
       bad('parked job past its last key ' .. job)
     else
       if spec.n < #spec.k and not records[job] then bad('parked job without its limits record ' .. job) end
-      local m = wait_member(spec.k[spec.n], raw, job)
-      members[m] = true
-      if not call('ZSCORE', K_WAITS, m) then bad('missing wait ' .. job) end
+      local key = spec.k[spec.n]
+      local m = find_entry(key, raw)
+      if not m then
+        bad('missing wait ' .. job)
+      else
+        members[m] = true
+        local z = find(m, '\0', #key + ENTRY_JOB, true)
+        local y = find(m, '\0', z + 1, true)
+        if sub(m, #key + ENTRY_JOB, z - 1) ~= job or entry_raw(m, #key, y) ~= raw then bad('wait entry differs from spec ' .. job) end
+        if sub(m, z + 1, z + #key + 4) ~= '\5' .. key .. '\1' .. spec.ip then bad('flow field of another key or priority ' .. job) end
+      end
     end
   end
   for j = 1, held do holders[spec.k[j]] = (holders[spec.k[j]] or 0) + 1 end
@@ -73,10 +87,41 @@ for key, c in pairs(holders) do
   if not counts[key] then bad('holds without count on ' .. key .. ' ' .. c) end
   if not limits[key] then bad('holders without limit on ' .. key) end
 end
-local waiters = {}
-for _, m in ipairs(call('ZRANGE', K_WAITS, 0, -1)) do
+local waiters, per_flow, last_seq = {}, {}, {}
+for _, m in ipairs(call('ZRANGE', K_WAITS, 0, -1)) do -- in queue order
   if not members[m] then bad('wait entry without parked job ' .. m) end
-  waiters[sub(m, 1, find(m, '\0', 1, true) - 1)] = true
+  local kz = find(m, '\0', 1, true)
+  local key = sub(m, 1, kz - 1)
+  waiters[key] = true
+  local z = find(m, '\0', #key + ENTRY_JOB, true)
+  local y = z and find(m, '\0', z + 1, true)
+  if y then
+    local fl = sub(m, z + 2, y - 1) -- key \1 fp, the flow's records less their first byte
+    per_flow[fl] = (per_flow[fl] or 0) + 1
+    local o = kz + 1 -- the order bytes: ip, tag, backlog start, seq
+    local tag, start, seq = sub(m, o + 2, o + 17), sub(m, o + 18, o + 29), sub(m, o + 30, o + 41)
+    local fin = finish[fl]
+    if not fin then
+      bad('waiters without flow records ' .. fl)
+    else
+      if sub(fin, 17) ~= start then bad('backlog start differs from its flow ' .. m) end
+      if tonumber(sub(fin, 1, 16), 16) < tonumber(tag, 16) then bad('finish tag behind a waiter ' .. m) end
+    end
+    if last_seq[fl] and last_seq[fl] >= seq then bad('flow out of arrival order ' .. m) end
+    last_seq[fl] = seq
+  else
+    bad('malformed wait entry ' .. m)
+  end
+end
+for fl, c in pairs(fcount) do
+  if per_flow[fl] ~= c then bad('flow count mismatch ' .. fl) end
+  if not finish[fl] then bad('flow count without finish tag ' .. fl) end
+end
+for fl, _ in pairs(finish) do
+  if not fcount[fl] then bad('finish tag without flow count ' .. fl) end
+end
+for fl, _ in pairs(per_flow) do
+  if not fcount[fl] then bad('waiters without flow count ' .. fl) end
 end
 for key, _ in pairs(waiters) do
   if (counts[key] or 0) < (limits[key] or 0) then bad('room with waiters on ' .. key) end

@@ -13,4 +13,4 @@ if lease_ms then return {'r', spec.k, '', 0, lease_ms, prio(spec), spec.d} end
 local held = {}
 for i = 1, spec.n - 1 do held[i] = spec.k[i] end
 local key = spec.k[spec.n]
-return {'w', held, key, position(key, raw, job), -1, prio(spec), spec.d}
+return {'w', held, key, position(key, raw), -1, prio(spec), spec.d}

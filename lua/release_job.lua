@@ -10,7 +10,7 @@
 --          found and one job woken, nothing reclaimed; otherwise
 --          {found 1|0, #woken, woken job_id, data ..., reclaimed job_id, data ...}
 -- Common path (one key handed to its head waiter): PTTL (the clock), HMGET, ZRANGEBYLEX,
--- ZREM, HDEL, ZREM, ZADD. A hinted one-key release at a full key takes the written-out
+-- ZREM, ZREM, HINCRBY (the head's flow count), HDEL, ZADD. A hinted one-key release at a full key takes the written-out
 -- busy-key path below; every other release goes through drop (_lib.lua).
 local job = ARGV[1]
 local left = call('PTTL', K_CLOCK)
@@ -46,10 +46,11 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEY
   -- right (the spec's keys are exactly `key`), no lease is due and the key is at its limit
   -- (count == limit, as stored strings), so the job holds the key and its slot goes to the
   -- head waiter, if any. It is a second copy of what drop, handoff and wake do for this
-  -- case (the head lookup, the idle key's HDEL, the wait entry's offsets, the lease), kept
+  -- case (the head lookup, the idle key's HDEL, the wait entry's offsets, the flow count
+  -- of the head (flow_left), the lease), kept
   -- because the helper calls it avoids are a large part of a release on this Lua (figures:
   -- docs/engine.md, "The busy-key release"). A change to any of those (waiter order, the
-  -- entry or spec layout, how a key goes idle) must change both; the engine tests check
+  -- entry or spec layout, the flow records, how a key goes idle) must change both; the engine tests check
   -- that each exit leaves what the general path leaves.
   local head = call('ZRANGEBYLEX', K_WAITS, key_lo, key_hi, 'LIMIT', '0', '1')[1]
   if not head then -- full and nobody waits, so the job is not parked here: it held the key
@@ -59,22 +60,31 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEY
     if c > 0 then call('HSET', K_STATE, key, int(c)) else call('HDEL', K_STATE, key, key_limit) end
     return 1 -- (at 0 it is idle: its limit goes too, see handoff)
   end
-  -- The head's wait entry: its job id at kl + ENTRY_JOB, ended by the \0 at z; spec byte i at z + i.
+  -- The head's wait entry: its job id at kl + ENTRY_JOB, ended by the \0 at z; its flow's
+  -- count field from z + 1, ended by the \0 at y; then its spec less the order bytes
+  -- (see ENTRY_JOB in _lib.lua).
   local kl = #key
   local z = find(head, '\0', kl + ENTRY_JOB, true)
-  local nk = byte(head, z + SPEC_NK)
+  local y = find(head, '\0', z + 1, true)
+  local nk = byte(head, y + SPEC_NK)
   if nk == 1 and call('ZREM', K_LEASES, job) == 1 then
-    -- A one-key head takes the slot and is leased; the count stands.
-    call('HDEL', K_STATE, jf)
+    -- A one-key head takes the slot and is leased; the count stands. One fewer of its
+    -- flow waits here (flow_left, inline): at none, its records go with the spec.
     call('ZREM', K_WAITS, head)
+    local fc = sub(head, z + 1, y - 1)
+    if call('HINCRBY', K_STATE, fc, -1) > 0 then
+      call('HDEL', K_STATE, jf)
+    else
+      call('HDEL', K_STATE, jf, '\4' .. sub(fc, 2), fc)
+    end
     local woken = sub(head, kl + ENTRY_JOB, z - 1)
-    local lss = sub(head, z + SPEC_TAIL, z + SPEC_LEASE_END)
+    local lss = sub(head, y + ENTRY_LEASE, y + ENTRY_LEASE_END)
     if lss ~= ls_s then ls_s, ls_n = lss, lss + 0 end -- lease_ms, inline
     local e = now + ls_n -- lease, inline (the `due` local is not read again by this call)
     local es = fmt('%d', e)
     call('ZADD', K_LEASES, es, woken)
     if not due or e < due then call('HSET', K_STATE, DUE, es) end
-    return woken .. '\0' .. sub(head, z + SPEC_KEYS + kl + 1) -- the data, after its one key and \1
+    return woken .. '\0' .. sub(head, y + ENTRY_KEYS + kl + 1) -- the data, after its one key and \1
   end
   -- A multi-key head, or the released job was parked: the general path below.
 end

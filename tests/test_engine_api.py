@@ -67,6 +67,161 @@ class EngineBehaviour(RedisTestCase):
             order.append(current)
         self.assertEqual(order, ["top", "m1", "m2", "l1", "l2"])
 
+    # --- fair order across flows (issue 16) ------------------------------------------
+    def fadmit(self, job: str, flow: str, weight: float = 1.0, priority: int = 0, limit: int = 1, key: str = "k"):
+        keys = [KeyLimit(key, limit, flow, weight)]
+        return self.e.admit(tag=T, job_id=job, keys=keys, priority=priority, lease_seconds=60, data=f"d-{job}")
+
+    def serve_all(self, first: str, keys: list[str] | None = None) -> list[str]:
+        """Release the running job, then each job it wakes, until none is woken: the order."""
+        order, current = [], first
+        while True:
+            woken = self.e.release(tag=T, job_id=current, keys=keys).woken
+            if not woken:
+                return order
+            current = woken[0].job_id
+            order.append(current)
+
+    def flow_fields(self) -> set[bytes]:
+        state = tag_keys("fq", T)[0]
+        return {f for f in self.e.client.hkeys(state) if f[:1] in (b"\4", b"\5")}
+
+    def test_a_new_flow_behind_a_flood_is_served_second(self) -> None:
+        self.fadmit("h", "A")
+        for i in range(100):
+            self.assertEqual(self.fadmit(f"a{i:03d}", "A").position, i + 1)
+        b = self.fadmit("b0", "B")
+        self.assertEqual((b.parked_on, b.position), ("k", 2))  # behind the head only, not 101st
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="b0").position, 2)
+        order = self.serve_all("h", ["k"])
+        self.assertEqual(order[:3], ["a000", "b0", "a001"])
+        self.assertEqual(order[3:], [f"a{i:03d}" for i in range(2, 100)])  # FIFO within A
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertEqual(self.flow_fields(), set())  # nobody waits: no per-flow state is left
+
+    def test_flows_share_a_key_fairly_fifo_within_each_and_by_weight(self) -> None:
+        self.fadmit("h", "")
+        for i in range(6):
+            self.fadmit(f"a{i}", "A")
+        for i in range(6):
+            self.fadmit(f"b{i}", "B")
+        for i in range(6):
+            self.fadmit(f"c{i}", "C", weight=2.0)  # twice the share of A or B
+        order = self.serve_all("h")
+        self.assertEqual(order[:8], ["a0", "b0", "c0", "c1", "a1", "b1", "c2", "c3"])
+        for flow in "abc":
+            mine = [j for j in order if j[0] == flow]
+            self.assertEqual(mine, sorted(mine))  # FIFO within a flow
+        self.assertEqual(len(order), 18)
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_priority_comes_before_fair_order(self) -> None:
+        self.fadmit("h", "A")
+        for i in range(5):
+            self.fadmit(f"a{i}", "A")
+        self.fadmit("b-low", "B")
+        self.fadmit("a-high", "A", priority=5)  # A's own flow, but a higher priority
+        self.fadmit("c-top", "C", priority=9)
+        order = self.serve_all("h", ["k"])
+        self.assertEqual(order[:4], ["c-top", "a-high", "a0", "b-low"])
+        self.assertEqual(self.e.inspect_key(tag=T, key="k").waiting, 0)
+
+    def test_keys_as_dicts_and_tuples_are_the_default_flow_in_arrival_order(self) -> None:
+        self.assertTrue(self.e.admit(tag=T, job_id="h", keys=[("k", 1)], lease_seconds=60).admitted)
+        for i in range(3):
+            self.e.admit(tag=T, job_id=f"d{i}", keys={"k": 1}, lease_seconds=60)
+            self.e.admit(tag=T, job_id=f"t{i}", keys=[("k", 1)], lease_seconds=60)
+            self.e.admit(tag=T, job_id=f"l{i}", keys=[KeyLimit("k", 1)], lease_seconds=60)
+        self.assertEqual(self.serve_all("h"), [f"{kind}{i}" for i in range(3) for kind in "dtl"])
+
+    def test_multi_key_jobs_queue_fairly_on_each_key_with_their_own_flows(self) -> None:
+        # Shard key "s" shared by tenants A and B; each tenant also has its own key.
+        def job(name: str, tenant: str) -> None:
+            keys = [KeyLimit("s", 1, tenant), KeyLimit(f"t:{tenant}", 10, "")]
+            self.e.admit(tag=T, job_id=name, keys=keys, lease_seconds=60, data=name)
+
+        job("h", "A")
+        for i in range(10):
+            job(f"a{i}", "A")
+        job("b0", "B")
+        job("b1", "B")
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="b0").position, 2)
+        self.assertEqual(self.serve_all("h", ["s", "t:A"])[:5], ["a0", "b0", "a1", "b1", "a2"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        # A job parked on an earlier key brings its flow to the later one when woken there.
+        self.e.client.flushdb()
+        self.fadmit("x", "X", key="b")  # holds b
+        self.fadmit("y", "Y", key="b")  # parks on b
+        self.e.admit(tag=T, job_id="hold-a", keys={"a": 1}, lease_seconds=60)
+        keys = [KeyLimit("a", 1, "P"), KeyLimit("b", 1, "Q", 3.0)]
+        self.assertFalse(self.e.admit(tag=T, job_id="m", keys=keys, lease_seconds=60).admitted)  # parks on a
+        self.assertEqual(self.e.release(tag=T, job_id="hold-a").woken, [])  # m takes a, parks on b
+        state = self.e.inspect_job(tag=T, job_id="m")
+        self.assertEqual((state.held_keys, state.parked_on, state.position), (["a"], "b", 2))
+        self.assertIn(b"\5b\x01ffQ", self.flow_fields())  # its flow on b, from its admit
+        self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="x").woken], ["y"])
+        self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="y").woken], ["m"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_cancel_and_reclaim_keep_the_fair_order_sound(self) -> None:
+        self.fadmit("h", "A")
+        for i in range(4):
+            self.fadmit(f"a{i}", "A")
+        for i in range(3):
+            self.fadmit(f"b{i}", "B")
+        # Cancel A's head, a middle one of B and B's tail: the rest keep their order.
+        for job in ("a0", "b1", "b2"):
+            self.assertTrue(self.e.cancel(tag=T, job_id=job).cancelled)
+            self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.fadmit("b3", "B")  # B's next job queues behind the place of its cancelled tail
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="b3").position, 5)
+        # The holder's lease runs out: the reclaim hands its slot to the fair head, B's first
+        # (virtual start 0, like A's cancelled first; A's next starts one job later).
+        self.e.expire_now(tag=T, job_id="h")
+        res = self.e.reclaim(tag=T)
+        self.assertEqual((res.reclaimed, [w.job_id for w in res.woken]), ([Woken("h", "d-h")], ["b0"]))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertEqual(self.serve_all("b0", ["k"]), ["a1", "a2", "a3", "b3"])
+        # Cancelling every waiter of a flow removes its records too.
+        self.fadmit("c0", "C")
+        self.fadmit("c1", "C")
+        self.assertEqual(len(self.flow_fields()), 2)
+        self.e.cancel(tag=T, job_id="c1")
+        self.e.cancel(tag=T, job_id="c0")
+        self.assertEqual(self.flow_fields(), set())
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_cancel_of_a_job_parked_on_a_later_key_keeps_the_flow_records_of_the_job_woken_there(self) -> None:
+        """Found by the stateful test: a cancelled job held "a" and waited on "b" alone in its
+        flow; the job its slot on "a" goes to moves on to "b" in the same call, in that flow."""
+        self.e.admit(tag=T, job_id="hb", keys={"b": 1}, lease_seconds=60)
+        self.e.admit(tag=T, job_id="p", keys={"a": 1, "b": 1}, lease_seconds=60)  # holds a, waits on b
+        self.e.admit(tag=T, job_id="q", keys={"a": 1, "b": 1}, lease_seconds=60)  # waits on a
+        self.assertTrue(self.e.cancel(tag=T, job_id="p").cancelled)
+        state = self.e.inspect_job(tag=T, job_id="q")
+        self.assertEqual((state.held_keys, state.parked_on), (["a"], "b"))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertEqual([w.job_id for w in self.e.release(tag=T, job_id="hb").woken], ["q"])
+        self.assertEqual(self.flow_fields(), set())
+
+    def test_per_flow_state_ends_with_the_flows_waiters(self) -> None:
+        """1,000 flows each wait once on one key and are served: no flow record outlives
+        its flow's last waiter, whether it leaves by handoff (hinted or not) or by cancel."""
+        self.fadmit("h", "")
+        for i in range(1000):
+            self.fadmit(f"j{i:04d}", f"tenant:{i}")
+        self.assertEqual(len(self.flow_fields()), 2000)
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="j0999").position, 1000)
+        current = "h"
+        for i in range(500):
+            current = self.e.release(tag=T, job_id=current, keys=["k"] if i % 2 else None).woken[0].job_id
+            self.assertEqual(current, f"j{i:04d}")  # one job each: the flows' arrival order
+        self.assertEqual(len(self.flow_fields()), 1000)
+        for i in range(500, 1000):
+            self.e.cancel(tag=T, job_id=f"j{i:04d}")
+        self.assertEqual(self.flow_fields(), set())
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
     def test_no_barging_newcomer_parks_behind_waiters(self) -> None:
         self.admit("a", {"k": 2})
         self.admit("b", {"k": 2})
@@ -410,6 +565,14 @@ class EngineBehaviour(RedisTestCase):
             dict(keys={"a": 1}, job_id=""),
             dict(keys={"a": 1}, tag=""),
             dict(keys={"a": 1}, tag="x}y"),
+            dict(keys=[KeyLimit("a", 1, "f\0g")]),
+            dict(keys=[KeyLimit("a", 1, "f\1g")]),
+            dict(keys=[KeyLimit("a", 1, "f", 0)]),
+            dict(keys=[KeyLimit("a", 1, "f", -1.0)]),
+            dict(keys=[KeyLimit("a", 1, "f", float("nan"))]),
+            dict(keys=[KeyLimit("a", 1, "f", float("inf"))]),
+            dict(keys=[KeyLimit("a", 1, "f", True)]),
+            dict(keys=[KeyLimit("a", 1, 7)]),  # type: ignore[arg-type]
         ]
         for override in bad:
             kwargs = dict(tag=T, job_id="j", keys={"a": 1}, lease_seconds=10, priority=0)

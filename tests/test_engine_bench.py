@@ -47,12 +47,19 @@ class EngineBenchSmokeTest(RedisTestCase):
             "release_ratio",
             "release_nohint_ratio",
             "release_floor_ratio",
+            "park_ratio",
+            "flows_park_new_ratio",
+            "flows_park_ratio",
+            "flows_release_ratio",
+            "flows_release_last_ratio",
             "trivial_fcall_server_us",
             "scaling_spread",
             "pairs_ratio_one_client",
         ]:
             self.assertIsInstance(data[key], float, key)
             self.assertGreater(data[key], 0, key)
+        self.assertEqual(data["flows"], 1000)
+        self.assertNotIn("flow records left after the flows case", data["warnings"])
         self.assertTrue(data["scaling"])
         for row in data["scaling"]:
             self.assertEqual(

@@ -1,9 +1,17 @@
-"""A plain-Python reference model of the engine's semantics (issue 3), and checks that
-the real scripts agree with it on hand-written scenarios. The stateful test
+"""A plain-Python reference model of the engine's semantics (issue 3, fair order: issue 16),
+and checks that the real scripts agree with it on hand-written scenarios. The stateful test
 (test_engine_stateful) drives both with random operations.
 
 The model is deliberately naive (lists and sets, O(n) everywhere): it states *what*
 must happen, the Lua states *how* to do it cheaply.
+
+Fair order: a key's waiters are served by priority, then by virtual start tag, then by the
+start of their flow's backlog, then by arrival. A job that parks on a key at priority p in
+flow f gets the tag max(V, F): V is the tag of the key's head at p (0 when none waits there),
+F the finish tag of f's last job there, kept only while f has waiters there; f's finish tag
+becomes tag + cost (ops.flow_cost of the job's weight). The model also logs every park,
+service and withdrawal per (key, priority, flow) so the fairness bound can be checked on
+any run (fairness_violations).
 """
 
 from __future__ import annotations
@@ -13,12 +21,16 @@ from dataclasses import dataclass, field
 
 from django.conf import settings
 
-from fairqueue.engine import Engine
+from fairqueue.engine import Engine, KeyLimit
 from fairqueue.engine.keys import key_name
-from fairqueue.engine.ops import INLINE_RECLAIM  # expired leases admit/release/cancel reclaim
+from fairqueue.engine.ops import DEFAULT_COST, INLINE_RECLAIM, flow_cost
 from tests.base import RedisTestCase
 
 Pair = tuple[str, str]  # (job_id, data)
+Entry = tuple[int, int, int, int, str]  # (255-p, tag, backlog start, seq, job): a key's queue order
+FlowKey = tuple[str, int, str]  # (key, 255-p, flow)
+Event = tuple[str, str, int, str]  # ("park" | "serve" | "withdraw", key, 255-p, flow)
+TAG_MAX = 2**53 - 1  # TAG_MAX in lua/_lib.lua
 
 
 @dataclass
@@ -29,8 +41,9 @@ class MJob:
     n: int = 0  # 0-based index of the next key to take; len(keys) = holds all
     running: bool = False
     expired: bool = False
-    seq: int = 0
+    entry: Entry | None = None  # its wait entry while parked
     limits: dict[str, int] = field(default_factory=dict)  # as its admit passed them
+    flows: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (flow, cost) as passed
 
 
 @dataclass
@@ -45,15 +58,48 @@ class MResult:
 
 
 class Model:
-    """Semantics: safety, direct handoff (head = highest priority, then FIFO), no barging,
-    canonical multi-key order holding earlier keys while parked, leases."""
+    """Semantics: safety, direct handoff (head = highest priority, then fair order across
+    flows, FIFO within a flow), no barging, canonical multi-key order holding earlier keys
+    while parked, leases."""
 
     def __init__(self) -> None:
         self.limits: dict[str, int] = {}
         self.holders: dict[str, set[str]] = {}
-        self.waits: dict[str, list[tuple[int, int, str]]] = {}  # key -> sorted (255-p, seq, job)
+        self.waits: dict[str, list[Entry]] = {}  # key -> sorted entries, head first
         self.jobs: dict[str, MJob] = {}
         self.seq = 0
+        # (key, 255-p, flow) -> [finish tag, backlog start, waiters]: only while waiters > 0
+        self.flow_records: dict[FlowKey, list[int]] = {}
+        self.log: list[Event] = []
+
+    def _park(self, job_id: str, key: str) -> None:
+        job = self.jobs[job_id]
+        flow, cost = job.flows.get(key, ("", DEFAULT_COST))
+        p = 255 - job.priority
+        self.seq += 1
+        rec = self.flow_records.get((key, p, flow))
+        if rec:  # the flow has waiters here: it goes on from its last finish tag
+            tag, start = rec[0], rec[1]
+        else:  # a new backlog: at the key's virtual time (its head's tag at this priority)
+            at_p = [e for e in self.waits.get(key, []) if e[0] == p]
+            tag, start = (at_p[0][1] if at_p else 0), self.seq
+        self.flow_records[(key, p, flow)] = [min(tag + cost, TAG_MAX), start, (rec[2] if rec else 0) + 1]
+        job.entry = (p, tag, start, self.seq, job_id)
+        job.running = False
+        bisect.insort(self.waits.setdefault(key, []), job.entry)
+        self.log.append(("park", key, p, flow))
+
+    def _left(self, job_id: str, key: str, event: str) -> None:
+        """A waiter left key's queue (served, or withdrawn): its flow has one fewer there."""
+        job = self.jobs[job_id]
+        flow = job.flows.get(key, ("", DEFAULT_COST))[0]
+        p = 255 - job.priority
+        rec = self.flow_records[(key, p, flow)]
+        rec[2] -= 1
+        if not rec[2]:
+            del self.flow_records[(key, p, flow)]
+        job.entry = None
+        self.log.append((event, key, p, flow))
 
     # --- internals mirroring lua/_lib.lua -------------------------------------------
     def _count(self, key: str) -> int:
@@ -72,10 +118,7 @@ class Model:
             # An idle key has forgotten its limit: the job brings the one its admit passed.
             self.limits.setdefault(key, job.limits[key])
             if self._count(key) >= self.limits[key]:
-                self.seq += 1
-                job.seq = self.seq
-                job.running = False
-                bisect.insort(self.waits.setdefault(key, []), (255 - job.priority, self.seq, job_id))
+                self._park(job_id, key)
                 return False
             self._hold(key, job_id)
             job.n += 1
@@ -86,7 +129,8 @@ class Model:
     def _handoff(self, key: str, woken: list[Pair]) -> None:
         queue = self.waits.get(key, [])
         while self._count(key) < self.limits.get(key, 0) and queue:
-            _, _, job_id = queue.pop(0)
+            job_id = queue.pop(0)[-1]
+            self._left(job_id, key, "serve")
             job = self.jobs[job_id]
             self._hold(key, job_id)
             job.n += 1
@@ -94,9 +138,12 @@ class Model:
                 woken.append((job_id, job.data))
 
     def _drop(self, job_id: str, woken: list[Pair]) -> None:
-        job = self.jobs.pop(job_id)
+        job = self.jobs[job_id]
         if not job.running:
-            self.waits[job.keys[job.n]].remove((255 - job.priority, job.seq, job_id))
+            assert job.entry is not None
+            self.waits[job.keys[job.n]].remove(job.entry)
+            self._left(job_id, job.keys[job.n], "withdraw")
+        del self.jobs[job_id]
         for key in job.keys[: job.n]:
             self.holders[key].discard(job_id)
             self._handoff(key, woken)
@@ -127,7 +174,15 @@ class Model:
         return res
 
     # --- operations -----------------------------------------------------------------
-    def admit(self, job_id: str, limits: dict[str, int], priority: int, data: str) -> MResult:
+    def admit(
+        self,
+        job_id: str,
+        limits: dict[str, int],
+        priority: int,
+        data: str,
+        flows: dict[str, tuple[str, float]] | None = None,
+    ) -> MResult:
+        """``flows``: key -> (flow, weight) for the keys not in the default flow."""
         res = MResult()
         self._reclaim(INLINE_RECLAIM, res.woken, res.reclaimed)
         if job_id in self.jobs:
@@ -136,7 +191,8 @@ class Model:
         # Changed limits of keys in use are stored (a raise hands on first); an idle key's
         # limit is stored when the job takes or parks on it (_grant).
         self._store_limits({k: v for k, v in limits.items() if k in self.limits}, res.woken)
-        self.jobs[job_id] = MJob(sorted(limits), priority, data, limits=dict(limits))
+        costs = {k: (f, flow_cost(w)) for k, (f, w) in (flows or {}).items()}
+        self.jobs[job_id] = MJob(sorted(limits), priority, data, limits=dict(limits), flows=costs)
         self._grant(job_id)
         return self._state(job_id, res)
 
@@ -180,21 +236,92 @@ class Model:
     # --- views ----------------------------------------------------------------------
     def position(self, job_id: str) -> int:
         job = self.jobs[job_id]
-        return self.waits[job.keys[job.n]].index((255 - job.priority, job.seq, job_id)) + 1
+        assert job.entry is not None
+        return self.waits[job.keys[job.n]].index(job.entry) + 1
 
     def waiting_order(self, key: str) -> list[str]:
-        return [j for _, _, j in self.waits.get(key, [])]
+        return [e[-1] for e in self.waits.get(key, [])]
+
+    def queue_orders(self, key: str) -> list[tuple[str, str]]:
+        """(job, order bytes as the engine writes them: 255-p, tag, backlog start, seq)."""
+        return [(j, f"{p:02x}{tag:016x}{start:012x}{seq:012x}") for p, tag, start, seq, j in self.waits.get(key, [])]
+
+    def records(self) -> dict[tuple[str, str], tuple[str, int]]:
+        """(key, fp) -> (finish tag and backlog start as stored, waiters), fp = 255-p hex + flow."""
+        return {
+            (key, f"{p:02x}{flow}"): (f"{fin:016x}{start:012x}", n)
+            for (key, p, flow), (fin, start, n) in self.flow_records.items()
+        }
 
     def holders_of(self, key: str) -> list[str]:
         return sorted(self.holders.get(key, ()))
 
 
-def engine_waiting_order(engine: Engine, tag: str, key: str) -> list[str]:
-    """The real queue of a key, head first, straight from the waits ZSET."""
+def fairness_violations(log: list[Event], costs: dict[str, int]) -> list[str]:
+    """Replay a model's log and check the fairness bound between every two flows that wait on
+    one key at one priority, counting services from the moment both wait (the later of
+    their backlog starts) for as long as both keep waiting without a withdrawal (a withdrawn
+    waiter leaves a gap in its flow's tags until the flow's backlog ends): with n_f, n_g
+    services and costs c_f, c_g (one weight per flow: `costs` maps flow -> cost),
+    |n_f*c_f - n_g*c_g| < c_f + c_g, i.e. each flow's count stays strictly within one job
+    of its weighted share n*c_g/(c_f+c_g) of the pair's n services; at equal weights the two
+    counts never differ by more than one job (checked as such too)."""
+    waiting: dict[FlowKey, int] = {}
+    clean: dict[FlowKey, bool] = {}
+    pairs: dict[tuple[FlowKey, FlowKey], list[int]] = {}  # both backlogged, clean -> [n_f, n_g]
+    out: list[str] = []
+    for i, (event, key, p, flow) in enumerate(log):
+        fk = (key, p, flow)
+        if event == "park":
+            if not waiting.get(fk):
+                clean[fk] = True
+                for other, n in waiting.items():
+                    if n and other[:2] == fk[:2] and clean.get(other):
+                        pairs[(other, fk)] = [0, 0]
+            waiting[fk] = waiting.get(fk, 0) + 1
+            continue
+        waiting[fk] -= 1
+        if event == "withdraw":
+            clean[fk] = False
+        for (f, g), counts in list(pairs.items()):
+            if fk not in (f, g):
+                continue
+            if event == "serve":
+                counts[0 if fk == f else 1] += 1
+                cf, cg = costs[f[2]], costs[g[2]]
+                ok = abs(counts[0] * cf - counts[1] * cg) < cf + cg
+                if cf == cg:
+                    ok = ok and abs(counts[0] - counts[1]) <= 1
+                if not ok:
+                    out.append(f"event {i}: {f} and {g} served {counts} (costs {cf}, {cg})")
+            if event == "withdraw" or not waiting[fk]:
+                del pairs[(f, g)]
+    return out
+
+
+def engine_queue(engine: Engine, tag: str, key: str) -> list[tuple[str, str]]:
+    """The real queue of a key, head first, straight from the waits ZSET: (job, order bytes)."""
     raw = engine.client.zrangebylex(
         key_name(engine.prefix, tag, "waits"), b"[" + key.encode() + b"\0", b"(" + key.encode() + b"\1"
     )
-    return [m.split(b"\0", 3)[2].decode() for m in raw]  # key, rank, job, rest of the spec
+    parts = [m.split(b"\0", 3) for m in raw]  # key, order, job, flow part and spec
+    return [(p[2].decode(), p[1].decode()) for p in parts]
+
+
+def engine_waiting_order(engine: Engine, tag: str, key: str) -> list[str]:
+    """The real queue of a key, head first."""
+    return [job for job, _ in engine_queue(engine, tag, key)]
+
+
+def engine_records(engine: Engine, tag: str) -> dict[tuple[str, str], tuple[str, int]]:
+    """The flow records of a tag, as Model.records() gives them."""
+    fields = engine.client.hgetall(key_name(engine.prefix, tag, "state"))
+    out: dict[tuple[str, str], tuple[str, int]] = {}
+    for f, v in fields.items():
+        if f[:1] == b"\4" and b"\1" in f[1:]:
+            key, fp = f[1:].decode().split("\1", 1)
+            out[(key, fp)] = (v.decode(), int(fields[b"\5" + f[1:]]))
+    return out
 
 
 def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, keys: list[str]) -> None:
@@ -202,11 +329,12 @@ def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, ke
     for key in keys:
         state = engine.inspect_key(tag=tag, key=key)
         case.assertEqual(sorted(state.holders), model.holders_of(key), f"holders of {key}")
-        case.assertEqual(engine_waiting_order(engine, tag, key), model.waiting_order(key), f"queue of {key}")
+        case.assertEqual(engine_queue(engine, tag, key), model.queue_orders(key), f"queue of {key}")
         case.assertEqual(state.limit, model.limits.get(key), f"limit of {key}")
         case.assertEqual(state.waiting, len(model.waiting_order(key)))
         if state.waiting:
             case.assertGreaterEqual(state.held, state.limit or 0, f"room with waiters on {key}")
+    case.assertEqual(engine_records(engine, tag), model.records(), "flow records")
     case.assertEqual(engine.check_invariants(tag=tag), [])
     case.assertEqual(
         sorted(f[1:].decode() for f in engine.client.hkeys(key_name(engine.prefix, tag, "state")) if f[:1] == b"\2"),
@@ -224,9 +352,13 @@ class ModelAgreesOnScenarios(RedisTestCase):
         self.engine = Engine(redis.Redis.from_url(settings.REDIS_URL))
         self.model = Model()
 
-    def _admit(self, job: str, limits: dict[str, int], priority: int = 0) -> None:
-        real = self.engine.admit(tag="m", job_id=job, keys=limits, priority=priority, lease_seconds=60, data=job)
-        want = self.model.admit(job, limits, priority, job)
+    def _admit(
+        self, job: str, limits: dict[str, int], priority: int = 0, flows: dict[str, tuple[str, float]] | None = None
+    ) -> None:
+        flows = flows or {}
+        keys = [KeyLimit(k, v, *flows.get(k, ("", 1.0))) for k, v in limits.items()]
+        real = self.engine.admit(tag="m", job_id=job, keys=keys, priority=priority, lease_seconds=60, data=job)
+        want = self.model.admit(job, limits, priority, job, flows)
         self.assertEqual((real.admitted, real.parked_on, real.position), (want.admitted, want.parked_on, want.position))
         self.assertEqual([(w.job_id, w.data) for w in real.woken], want.woken)
 
@@ -250,3 +382,25 @@ class ModelAgreesOnScenarios(RedisTestCase):
         for job in ["j2", "j3", "j4", "j5", "j6"]:
             self._release(job)
             assert_agree(self, self.engine, self.model, "m", ["a", "b", "c"])
+
+    def test_flows_on_shared_keys(self) -> None:
+        """Flows on two keys, weights, priorities, a cancel and a multi-key job that parks
+        on its later key when woken: the engine orders and keeps records like the model."""
+        keys = ["a", "b"]
+        self._admit("h", {"a": 1, "b": 1})
+        for i in range(4):
+            self._admit(f"x{i}", {"a": 1}, flows={"a": ("X", 1.0)})
+        self._admit("y0", {"a": 1, "b": 1}, flows={"a": ("Y", 2.0), "b": ("Y", 2.0)})
+        self._admit("y1", {"a": 1}, flows={"a": ("Y", 2.0)})
+        self._admit("z0", {"a": 1}, priority=3, flows={"a": ("X", 1.0)})
+        self._admit("w0", {"b": 1}, flows={"b": ("W", 1.0)})
+        assert_agree(self, self.engine, self.model, "m", keys)
+        self.assertTrue(self.engine.cancel(tag="m", job_id="x1").cancelled)
+        self.model.cancel("x1")
+        assert_agree(self, self.engine, self.model, "m", keys)
+        while self.model.jobs:
+            self._release(min(j for j, job in self.model.jobs.items() if job.running))
+            assert_agree(self, self.engine, self.model, "m", keys)
+        costs = {"": DEFAULT_COST, "X": DEFAULT_COST, "W": DEFAULT_COST, "Y": flow_cost(2.0)}
+        self.assertEqual(fairness_violations(self.model.log, costs), [])
+        self.assertEqual(self.model.flow_records, {})  # nobody waits: no flow records left

@@ -1,6 +1,8 @@
-"""Hypothesis drives the real scripts and the reference model with random admits,
-re-admits, releases, cancels, renewals, limit changes (set_limits and via admit) and
-lease expiries, and checks on every step that they agree and that the invariants hold."""
+"""Hypothesis drives the real scripts and the reference model with random admits (in random
+flows of fixed weights on each key), re-admits, releases, cancels, renewals, limit changes
+(set_limits and via admit) and lease expiries, and checks on every step that they agree,
+that the invariants hold and that the fairness bound holds (fairness_violations). A second
+test drives one key with backlogged flows only and checks the bound on the real order."""
 
 from __future__ import annotations
 
@@ -8,16 +10,21 @@ import os
 
 import redis
 from django.conf import settings
-from hypothesis import HealthCheck
+from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from fairqueue.engine import Engine
+from fairqueue.engine import Engine, KeyLimit
+from fairqueue.engine.ops import flow_cost
 from tests.base import RedisTestCase
-from tests.test_engine_model import Model, MResult, assert_agree
+from tests.test_engine_model import Event, Model, MResult, assert_agree, fairness_violations
 
 POOL = ["a", "b", "c", "d"]
+# One weight per flow, so the fairness bound applies between any two of them.
+WEIGHTS = {"": 1.0, "x": 1.0, "y": 2.0, "z": 0.5, "w": 1.5}
+COSTS = {flow: flow_cost(w) for flow, w in WEIGHTS.items()}
+flow_names = st.sampled_from(sorted(WEIGHTS))
 TAG = "s:stateful"
 key_sets = st.lists(st.sampled_from(POOL), min_size=1, max_size=3, unique=True)
 limits = st.integers(min_value=0, max_value=3)
@@ -67,8 +74,10 @@ class EngineMachine(RuleBasedStateMachine):
         job = f"j{self.next_id:04d}"
         self.known.append(job)
         lim = self.limits_for(keys, data)
-        real = self.engine.admit(tag=TAG, job_id=job, keys=lim, priority=priority, lease_seconds=60, data=f"d{job}")
-        want = self.model.admit(job, lim, priority, f"d{job}")
+        flows = {k: data.draw(flow_names) for k in keys}
+        args = [KeyLimit(k, v, flows[k], WEIGHTS[flows[k]]) for k, v in lim.items()]
+        real = self.engine.admit(tag=TAG, job_id=job, keys=args, priority=priority, lease_seconds=60, data=f"d{job}")
+        want = self.model.admit(job, lim, priority, f"d{job}", {k: (f, WEIGHTS[f]) for k, f in flows.items()})
         assert (real.admitted, real.parked_on, real.position) == (want.admitted, want.parked_on, want.position)
         assert not real.duplicate
         self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
@@ -138,6 +147,7 @@ class EngineMachine(RuleBasedStateMachine):
     @invariant()
     def agree_and_safe(self) -> None:
         assert_agree(self.case, self.engine, self.model, TAG, POOL)
+        assert not fairness_violations(self.model.log, COSTS), fairness_violations(self.model.log, COSTS)
         for key in POOL:
             now = self.model.holders_of(key)
             new = set(now) - set(self.holders_before.get(key, []))
@@ -171,3 +181,77 @@ class StatefulEngineTest(RedisTestCase):
                 suppress_health_check=list(HealthCheck),
             ),
         )
+
+
+class BackloggedFlowsTest(RedisTestCase):
+    """The fairness bound on the real order: flows of fixed weights wait on one key at one
+    priority; random parks and releases (one slot each) and a few cancels. Between two flows
+    that both keep waiting, the services counted from the later of their backlog starts
+    never differ by more than one job at equal weights, and stay within one job of the
+    weights' split otherwise (fairness_violations; cancels end the bound for their flow)."""
+
+    def run_case(self, weights: dict[str, float], steps: list[tuple[str, str]]) -> None:
+        self.redis.flushdb()
+        engine = Engine(self.redis)
+        costs = {f: flow_cost(w) for f, w in weights.items()}
+        flow_of: dict[str, str] = {}
+        log: list[Event] = []
+        running = "h"
+        engine.admit(tag="s:fair", job_id="h", keys={"k": 1}, lease_seconds=60)
+        served = {f: 0 for f in weights}
+        for n, (op, flow) in enumerate(steps):
+            if op == "park":
+                job = f"{flow}{n}"
+                keys = [KeyLimit("k", 1, flow, weights[flow])]
+                assert not engine.admit(tag="s:fair", job_id=job, keys=keys, lease_seconds=60).admitted
+                flow_of[job] = flow
+                log.append(("park", "k", 255, flow))
+            elif op == "cancel":
+                waiting = [j for j in flow_of if j.startswith(flow)]
+                if waiting:
+                    assert engine.cancel(tag="s:fair", job_id=waiting[-1]).cancelled
+                    log.append(("withdraw", "k", 255, flow_of.pop(waiting[-1])))
+            else:
+                woken = engine.release(tag="s:fair", job_id=running, keys=["k"]).woken
+                if woken:
+                    running = woken[0].job_id
+                    served[flow_of[running]] += 1
+                    log.append(("serve", "k", 255, flow_of.pop(running)))
+                else:
+                    engine.admit(tag="s:fair", job_id=running, keys={"k": 1}, lease_seconds=60)
+        self.assertEqual(fairness_violations(log, costs), [])
+        self.assertEqual(engine.check_invariants(tag="s:fair"), [])
+
+    def test_equal_and_weighted_flows_stay_within_the_bound(self) -> None:
+        ops = st.tuples(st.sampled_from(["park", "park", "release", "release", "cancel"]), st.sampled_from("abc"))
+
+        @given(steps=st.lists(ops, min_size=10, max_size=120), weighted=st.booleans())
+        @hsettings(
+            max_examples=max(20, EXAMPLES // 2), deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        def check(steps: list[tuple[str, str]], weighted: bool) -> None:
+            self.run_case({"a": 2.0 if weighted else 1.0, "b": 1.0, "c": 1.5 if weighted else 1.0}, steps)
+
+        check()
+
+    def test_two_backlogged_flows_served_alternately_and_two_to_one(self) -> None:
+        """Two flows each with a long backlog, one after the other: service alternates (equal
+        weights) or follows 2:1 (weights 2 and 1) within one job, counted after each service."""
+        for weights, share in (({"a": 1.0, "b": 1.0}, 0.5), ({"a": 2.0, "b": 1.0}, 2 / 3)):
+            with self.subTest(weights=weights):
+                self.redis.flushdb()
+                engine = Engine(self.redis)
+                engine.admit(tag="s:fair", job_id="h", keys={"k": 1}, lease_seconds=60)
+                for flow in ("a", "b"):
+                    for i in range(30):
+                        keys = [KeyLimit("k", 1, flow, weights[flow])]
+                        engine.admit(tag="s:fair", job_id=f"{flow}{i:02d}", keys=keys, lease_seconds=60)
+                running, order = "h", []
+                for _ in range(30):  # both stay backlogged throughout
+                    running = engine.release(tag="s:fair", job_id=running, keys=["k"]).woken[0].job_id
+                    order.append(running)
+                    n_a = sum(1 for j in order if j[0] == "a")
+                    self.assertLessEqual(abs(n_a - share * len(order)), 1, order)
+                for flow in ("a", "b"):  # FIFO within each flow
+                    mine = [j for j in order if j[0] == flow]
+                    self.assertEqual(mine, sorted(mine))

@@ -25,16 +25,19 @@ from typing import Any
 
 import redis
 
-from fairqueue.engine import ops
+from fairqueue.engine import KeyLimit, ops
 from fairqueue.engine.engine import Engine, fcall_args
+from fairqueue.engine.keys import LAYOUT
 from fairqueue.engine.scripts import library, loaded_libraries
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
-# The floor under a one-key release with handoff: the seven Redis commands it cannot do
+# The floor under a one-key release with handoff: the eight Redis commands it cannot do
 # without (the clock's PTTL, HMGET of spec/due/count/limit, HDEL of the spec, ZREM of the
-# lease, the queue head by ZRANGEBYLEX, its ZREM, the woken job's ZADD), with no logic
-# around them, replying like the engine. It reads the engine's key order and wait-entry
-# layout (lua/_lib.lua) to find the woken job and lease.
+# lease, the queue head by ZRANGEBYLEX, its ZREM, the HINCRBY of the head's flow count, the
+# woken job's ZADD), with no logic around them, replying like the engine. It reads the
+# engine's key order and wait-entry layout (lua/_lib.lua: ENTRY_JOB 45, the flow's count
+# field after the job id, then the spec less its 42 order bytes: the lease at bytes 3-12
+# after the field) to find the woken job, its flow and lease.
 TRIVIAL_LIBRARY_NAME = "fqbench_trivial"
 TRIVIAL_LIBRARY = (
     f"#!lua name={TRIVIAL_LIBRARY_NAME}\n"
@@ -49,17 +52,20 @@ redis.register_function('fq_bench_release_floor', function(KEYS, ARGV)
   redis.call('ZREM', KEYS[3], job)
   local head = redis.call('ZRANGEBYLEX', KEYS[2], '[' .. key .. '\\0', '(' .. key .. '\\1', 'LIMIT', '0', '1')[1]
   redis.call('ZREM', KEYS[2], head)
-  local j = #key + 21
+  local j = #key + 45
   local z = string.find(head, '\\0', j, true)
+  local y = string.find(head, '\\0', z + 1, true)
+  redis.call('HINCRBY', KEYS[1], string.sub(head, z + 1, y - 1), -1)
   local woken = string.sub(head, j, z - 1)
-  redis.call('ZADD', KEYS[3], string.format('%d', now + string.sub(head, z + 21, z + 30)), woken)
+  redis.call('ZADD', KEYS[3], string.format('%d', now + string.sub(head, y + 3, y + 12)), woken)
   return woken .. '\\0'
 end)
 """
 )
 TAG = "bench"
 BIG = 1_000_000_000  # a limit nobody reaches
-TARGETS = {"admit_ratio": 8.0, "release_ratio": 8.0, "admit3_ratio": 20.0, "scaling_spread": 1.5, "pairs_ratio": 0.4}
+TARGETS = {"admit_ratio": 8.0, "release_ratio": 9.0, "admit3_ratio": 20.0, "scaling_spread": 1.5, "pairs_ratio": 0.4}
+FLOWS = 1_000  # the flows of the many-flows case, all on one key
 
 
 AB_OPERATIONS = ("release", "release3", "admit")
@@ -130,7 +136,7 @@ class Bench:
     def trivial_args(self) -> tuple[Any, ...]:
         return ("EVALSHA", self.trivial_sha, 1, "bench:trivial")
 
-    def admit_args(self, keys: dict[str, int], priority: int = 0) -> tuple[Any, ...]:
+    def admit_args(self, keys: dict[str, int] | list[KeyLimit], priority: int = 0) -> tuple[Any, ...]:
         return self.call_args(
             ops.admit("fq", tag=TAG, job_id=self.job_id(), keys=keys, priority=priority, lease_seconds=600, data="")
         )
@@ -181,9 +187,11 @@ class Bench:
             "three-key admit",
             [self.admit_args({f"x{i % 10}": BIG, f"y{i % 10}": BIG, f"z{i % 10}": BIG}) for i in range(n)],
         )
-        release = self.release_cost("one-key release with handoff", hint=True)
+        release = self.release_cost("one-key release with handoff", hint=True, park=True)
+        park = release.pop("park")
         release_nohint = self.release_cost("  the same without the keys hint", hint=False)
-        release_floor = self.release_cost("  its 7 Redis commands alone (floor)", hint=True, floor=True)
+        release_floor = self.release_cost("  its 8 Redis commands alone (floor)", hint=True, floor=True)
+        flows = self.flows_cost()
         trivial_fcall = self.measured(
             "trivial one-liner as a function", [("FCALL", "fq_bench_trivial", 1, "bench:trivial")] * n
         )
@@ -198,7 +206,14 @@ class Bench:
                 "release_nohint": release_nohint["trivial_us"],
                 "release_floor": release_floor["trivial_us"],
                 "trivial_fcall": trivial_fcall["trivial_us"],
+                "park": park["trivial_us"],
+                **{f"flows_{name}": row["trivial_us"] for name, row in flows.items()},
             },
+            "park_server_us": park["us"],
+            "park_ratio": park["ratio"],
+            "flows": FLOWS,
+            **{f"flows_{name}_server_us": row["us"] for name, row in flows.items()},
+            **{f"flows_{name}_ratio": row["ratio"] for name, row in flows.items()},
             "admit_server_us": admit["us"],
             "admit3_server_us": admit3["us"],
             "release_server_us": release["us"],
@@ -211,20 +226,53 @@ class Bench:
             "release_floor_ratio": release_floor["ratio"],
         }
 
-    def release_cost(self, name: str, hint: bool, floor: bool = False) -> dict[str, float]:
+    def release_cost(self, name: str, hint: bool, floor: bool = False, park: bool = False) -> dict[str, Any]:
         """One holder and n parked waiters on a limit-1 key: each release hands the slot on.
         With ``hint`` the release names the job's keys, as FairQueue's workers do; with
-        ``floor`` the same data is released by the bare commands of TRIVIAL_LIBRARY."""
+        ``floor`` the same data is released by the bare commands of TRIVIAL_LIBRARY. With
+        ``park`` the n admits that park (one flow: the default) are measured too."""
         self.client.flushdb()
         n = self.sizes.server_calls
         first = self.serial + 1
-        self.pipelined(self.admit_args({"h": 1}) for _ in range(n + 1))
+        parks = [self.admit_args({"h": 1}) for _ in range(n + 1)]
+        self.pipelined(parks[:1])
+        parked = self.measured("one-key admit that parks (one flow)", parks[1:]) if park else None
+        if not park:
+            self.pipelined(parks[1:])
         keys = ["h"] if hint else None
         calls = [self.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=keys)) for i in range(n)]
         if floor:
             # FCALL, the engine's function, numkeys, KEYS..., job_id, hint -> the floor's
             calls = [("FCALL", "fq_bench_release_floor", *c[2 : 4 + c[2]], "h") for c in calls]
-        out = self.measured(name, calls)
+        out: dict[str, Any] = dict(self.measured(name, calls))
+        if parked:
+            out["park"] = parked
+        self.client.flushdb()
+        return out
+
+    def flows_cost(self) -> dict[str, dict[str, float]]:
+        """FLOWS flows on one limit-1 key: n admits park there round-robin across the flows
+        (weight 1 each), then n hinted releases hand the slot on across them. Measured in
+        four parts: a park that starts its flow's backlog (it reads the key's head) and one
+        that joins it (the flow's records only); a handoff to a flow that keeps waiters and
+        one to a flow's last waiter (its records go). Parked round-robin at equal weights,
+        the fair order serves them in the order they parked, so the releases run in order."""
+        self.client.flushdb()
+        n = self.sizes.server_calls
+        flows = min(FLOWS, n // 4)
+        first = self.serial + 1
+        parks = [self.admit_args([KeyLimit("f", 1, f"tenant:{i % flows}", 1.0)]) for i in range(n + 1)]
+        self.pipelined(parks[:1])  # the holder; then every admit parks
+        out = {
+            "park_new": self.measured(f"park, starting one of {flows} flows", parks[1 : flows + 1]),
+            "park": self.measured(f"park, joining one of {flows} flows", parks[flows + 1 :]),
+        }
+        calls = [self.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=["f"])) for i in range(n)]
+        out["release"] = self.measured(f"release, handing on across {flows} flows", calls[: n - flows])
+        out["release_last"] = self.measured("release, handing on to a flow's last", calls[n - flows :])
+        state = self.client.hkeys(f"fq:{{{TAG}}}:v{LAYOUT}:state")
+        if any(f[:1] in (b"\4", b"\5") for f in state):  # nobody waits: no flow records may be left
+            self.warnings.append("flow records left after the flows case")
         self.client.flushdb()
         return out
 
@@ -371,13 +419,20 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
     result["meets_targets"] = {
         "admit_ratio": result["admit_ratio"] <= TARGETS["admit_ratio"],
         "release_ratio": result["release_ratio"] <= TARGETS["release_ratio"],
+        "flows_release_ratio": result["flows_release_ratio"] <= TARGETS["release_ratio"],
         "admit3_ratio": result["admit3_ratio"] <= TARGETS["admit3_ratio"],
         "scaling_spread": result["scaling_spread"] <= TARGETS["scaling_spread"],
         "pairs_ratio_one_client": result["pairs_ratio_one_client"] >= TARGETS["pairs_ratio"],
     }
     log("Ratios (targets in brackets):")
     log(f"  admit / trivial        {result['admit_ratio']:6.2f}x  [<= 8]")
-    log(f"  release / trivial      {result['release_ratio']:6.2f}x  [<= 8]")
+    log(f"  release / trivial      {result['release_ratio']:6.2f}x  [<= 9]")
+    log(f"  ... across {result['flows']} flows {result['flows_release_ratio']:6.2f}x  [<= 9]")
+    log(f"  park / trivial         {result['park_ratio']:6.2f}x         (one flow)")
+    log(
+        f"  ... across {result['flows']} flows {result['flows_park_ratio']:6.2f}x         (joining; starting one:"
+        f" {result['flows_park_new_ratio']:.2f}x)"
+    )
     log(f"  admit3 / trivial       {result['admit3_ratio']:6.2f}x  [<= 20]")
     log(f"  scaling max/min        {result['scaling_spread']:6.2f}x  [<= 1.5]")
     log(f"  ... cold max / min     {result['scaling_spread_cold']:6.2f}x         (first pass after the tag grew)")

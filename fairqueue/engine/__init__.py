@@ -1,8 +1,8 @@
 """FairQueue's throttle engine: atomic multi-key admission with fair waiter queues,
 direct slot handoff and leases, in Redis Lua.
 
-A standalone library: it knows keys, limits, priorities and leases, nothing about
-tenants or Django.
+A standalone library: it knows keys, limits, priorities, flows (opaque strings with
+weights, for the fair order of a key's waiters) and leases, nothing about tenants or Django.
 """
 
 from .engine import AsyncEngine, Engine

@@ -159,7 +159,11 @@ class Engine(_Base):
         data: str = "",
         require_ready: bool = False,
     ) -> Admission:
-        """Admit a job on all its keys, or park it on the first full one (one round trip)."""
+        """Admit a job on all its keys, or park it on the first full one (one round trip).
+
+        A parked job waits by priority, then in fair order across the flows waiting on
+        that key (``KeyLimit(name, limit, flow, weight)``; the default flow ``""`` at weight
+        1 for plain ``{name: limit}``), FIFO within its flow (docs/engine.md)."""
         return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data, require_ready))
 
     def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:

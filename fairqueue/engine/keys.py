@@ -26,8 +26,9 @@ from functools import lru_cache
 KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases", "clock")
 
 #: Version of the data layout (field kinds, spec and wait-entry formats) in lua/_lib.lua.
-#: Bump it with any change to them.
-LAYOUT = 4
+#: Bump it with any change to them. 5: fair order (the virtual tag and the flow's backlog
+#: start in the wait order, the flow part in the wait entry, the "\4"/"\5" flow records).
+LAYOUT = 5
 
 #: The ``state`` field that marks a tag ready (``READY`` in lua/_lib.lua).
 READY_FIELD = "\x01ready"

@@ -8,6 +8,7 @@ common outcomes are a bare integer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -34,6 +35,13 @@ MAX_KEYS_PER_JOB = 16
 #: Expired leases reclaimed inline by admit/release/cancel (the sweep does the rest): the
 #: value of RECLAIM_BATCH in lua/_lib.lua, which is what the Lua uses.
 INLINE_RECLAIM = 8
+#: The cost of one job of weight 1 in a key's fair order: a waiter's virtual finish tag is
+#: its start tag plus DEFAULT_COST / weight (DEFAULT_COST in lua/_lib.lua, which is what the
+#: Lua uses for the default flow). Costs are whole numbers from 1 (a weight of 2**20 or
+#: more) to MAX_COST (a weight of 2**-16 or less): weights outside that range order like
+#: its ends.
+DEFAULT_COST = 1 << 20
+MAX_COST = 1 << 36
 #: Width of the spec's lease field (bytes SPEC_TAIL..SPEC_LEASE_END in lua/_lib.lua): an
 #: admit sends its lease zero-padded to it and the Lua stores it as given.
 LEASE_DIGITS = 10
@@ -97,23 +105,58 @@ def lease_ms(lease_seconds: float) -> int:
     return ms
 
 
-def key_limits(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int]]:
-    """Validated (key, limit) pairs in canonical (sorted) order.
+def _check_flow(flow: object) -> str:
+    if not isinstance(flow, str):
+        raise ValueError(f"flows must be strings, got {flow!r}")
+    if "\0" in flow or "\1" in flow:
+        raise ValueError(f"flows must not contain \\0 or \\1: {flow!r}")
+    return flow
+
+
+def flow_cost(weight: float) -> int:
+    """A job's cost in its flow's fair order: DEFAULT_COST / weight, whole, clamped to
+    1..MAX_COST (the Lua adds it to the job's virtual start tag)."""
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"weights must be finite numbers > 0, got {weight!r}")
+    return max(1, min(MAX_COST, round(DEFAULT_COST / weight)))
+
+
+def key_specs(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int, str, int]]:
+    """Validated (key, limit, flow, cost) in canonical (sorted) order.
 
     Sorting here gives every job the same key order, which is what rules out deadlock;
     the scripts trust it."""
     items: Iterable[Any] = keys.items() if isinstance(keys, Mapping) else keys
-    pairs: list[tuple[str, int]] = []
+    specs: list[tuple[str, int, str, int]] = []
     for item in items:
-        name, limit = (item.name, item.limit) if isinstance(item, KeyLimit) else item
-        pairs.append((_check_key_name(name), _check_int(f"limit of {name!r}", limit, 0)))
-    if not pairs and not allow_empty:
+        if isinstance(item, KeyLimit):
+            name, limit, flow, weight = item.name, item.limit, item.flow, item.weight
+        else:
+            name, limit = item
+            flow, weight = "", 1.0
+        specs.append(
+            (_check_key_name(name), _check_int(f"limit of {name!r}", limit, 0), _check_flow(flow), flow_cost(weight))
+        )
+    if not specs and not allow_empty:
         raise ValueError("a job needs at least one key")
-    names = [name for name, _ in pairs]
+    names = [spec[0] for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate keys: {sorted(names)}")
-    pairs.sort()
-    return pairs
+    specs.sort(key=lambda spec: spec[0])
+    return specs
+
+
+def key_limits(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int]]:
+    """Validated (key, limit) pairs in canonical (sorted) order (flows are checked and dropped)."""
+    return [(name, limit) for name, limit, _, _ in key_specs(keys, allow_empty=allow_empty)]
+
+
+def flows_arg(specs: list[tuple[str, int, str, int]]) -> str:
+    """The admit's flows argument (flow_of in lua/_lib.lua): "" when every key has the default
+    flow "" at the default cost, else flow "\\1" cost per key, joined by "\\0" in key order."""
+    if all(flow == "" and cost == DEFAULT_COST for _, _, flow, cost in specs):
+        return ""
+    return "\0".join(f"{flow}\1{cost}" for _, _, flow, cost in specs)
 
 
 def _flatten(pairs: list[tuple[str, int]]) -> list[str | int]:
@@ -140,11 +183,12 @@ def admit(
     if not isinstance(data, str):
         raise ValueError("data must be a string")
     flag = 1 if require_ready else 0
-    pairs = key_limits(keys)
-    if len(pairs) > MAX_KEYS_PER_JOB:
-        raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(pairs)}")
+    specs = key_specs(keys)
+    if len(specs) > MAX_KEYS_PER_JOB:
+        raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(specs)}")
     lease = str(lease_ms(lease_seconds)).zfill(LEASE_DIGITS)
-    args: tuple[str | int, ...] = (job_id, priority, lease, data, flag, *_flatten(pairs))
+    pairs = [(name, limit) for name, limit, _, _ in specs]
+    args: tuple[str | int, ...] = (job_id, priority, lease, data, flag, flows_arg(specs), *_flatten(pairs))
 
     def decode(r: Any) -> Admission:
         if isinstance(r, int):  # admitted, nothing else to report

@@ -8,13 +8,23 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class KeyLimit:
-    """A key a job needs and the limit its caller computed for it, for this call."""
+    """A key a job needs and the limit its caller computed for it, for this call.
+
+    ``flow`` and ``weight`` place the job in the key's fair order when it has to wait there:
+    the key's waiters are served by priority, then fairly across their flows in proportion
+    to the flows' weights, FIFO within a flow (docs/engine.md, "Fair order"). Flows are
+    opaque strings (FairQueue: the tenant, on a shard key); the default flow ``""`` at
+    weight 1 for every job gives first-come first-served order. A job's weight counts for
+    this key and this job only, like its limit."""
 
     name: str
     limit: int
+    flow: str = ""
+    weight: float = 1.0
 
 
-#: Keys of a job with their limits: ``{"t:1": 5}`` or ``[KeyLimit("t:1", 5)]`` or ``[("t:1", 5)]``.
+#: Keys of a job with their limits: ``{"t:1": 5}`` or ``[KeyLimit("t:1", 5)]`` or ``[("t:1", 5)]``
+#: (the last two forms may also carry a flow and weight: ``KeyLimit("s:1", 40, "acme", 2.0)``).
 KeysArg = Mapping[str, int] | Iterable[KeyLimit | tuple[str, int]]
 
 
