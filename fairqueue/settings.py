@@ -120,14 +120,20 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
+# A delivery is acknowledged when its task starts. The engine's leases, not the broker,
+# re-deliver the job of a worker that dies (and the claim guard stops duplicates), so late
+# acks buy nothing here; and unacknowledged messages are what kombu's Redis transport tries
+# to restore when the broker connection drops, a path that can end the worker with
+# "Unrecoverable error" (a known kombu bug), where a worker must ride out a Redis outage.
+CELERY_TASK_ACKS_LATE = False
 # Each worker reserves at most this many messages per slot. Admission already bounds what
 # reaches the broker (sum of limits plus a small overcommit), so 1 means no hoarding.
 CELERY_WORKER_PREFETCH_MULTIPLIER = env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", default=1)
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A worker outlives a broker outage of any length (it keeps retrying) rather than exiting.
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes these two
 # queues: latency classes are message priorities in fq.jobs (0 = highest class), and the
 # batch lane is read only when fq.jobs is empty (fairqueue/jobs/broker.py).

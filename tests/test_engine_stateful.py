@@ -152,8 +152,10 @@ class EngineMachine(RuleBasedStateMachine):
             now = self.model.holders_of(key)
             new = set(now) - set(self.holders_before.get(key, []))
             if new:  # anyone who got in did so within the limit in force (an admit reclaims
-                # and hands on before it stores its limits, so a step may see two limits)
-                limit = max(self.model.limits[key], self.limits_before.get(key, 0))
+                # and hands on before it stores its limits, so a step may see two limits; a job
+                # woken on an earlier key brings the limit its admit passed to an idle later key)
+                brought = [self.model.jobs[j].limits[key] for j in new if j in self.model.jobs]
+                limit = max([self.model.limits[key], self.limits_before.get(key, 0), *brought])
                 assert len(now) <= limit, (key, now, limit)
         self.snapshot()
         for job_id, job in self.model.jobs.items():

@@ -167,5 +167,14 @@ def admission_plan(
         cap = sub_tenant_cap(policy, tenant, sub_tenant, breakdown.limit)
         limits.append(cap)
     tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch)
-    keys = [KeyLimit(name, limit) for name, limit in zip(names, limits, strict=True)]
+    # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
+    # weighted by its floor; at the tenant key each sub-tenant is one (splitting work over
+    # many sub-tenants or keys gains nothing at the shard: it is still one flow there).
+    tenant_flow = (tenant.slug, float(max(tenant.floor, 1)))
+    flows = [tenant_flow if batch else (sub_tenant, 1.0), tenant_flow]
+    if sub_tenant:
+        flows.append(("", 1.0))
+    keys = [
+        KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
+    ]
     return AdmissionPlan(tag=tag, keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap)
