@@ -129,6 +129,11 @@ CELERY_TASK_ACKS_LATE = False
 # Each worker reserves at most this many messages per slot. Admission already bounds what
 # reaches the broker (sum of limits plus a small overcommit), so 1 means no hoarding.
 CELERY_WORKER_PREFETCH_MULTIPLIER = env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", default=1)
+# With acks on start, a worker would take its next message while every slot is busy (the
+# prefetch window counts unacknowledged messages): it then waits behind the running job,
+# and a message of a higher class published meanwhile runs after it. So a worker fetches
+# only when a slot is free (Redis brokers; see Celery's worker_disable_prefetch).
+CELERY_WORKER_DISABLE_PREFETCH = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
