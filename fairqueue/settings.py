@@ -120,20 +120,15 @@ CHANNEL_LAYERS = {
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-# A delivery is acknowledged when its task starts. The engine's leases, not the broker,
-# re-deliver the job of a worker that dies (and the claim guard stops duplicates), so late
-# acks buy nothing here; and unacknowledged messages are what kombu's Redis transport tries
-# to restore when the broker connection drops, a path that can end the worker with
-# "Unrecoverable error" (a known kombu bug), where a worker must ride out a Redis outage.
-CELERY_TASK_ACKS_LATE = False
+# A delivery is acknowledged when its task ends: a worker then holds at most one message
+# per slot and takes the next only when a slot frees (early acks let a busy worker take
+# one more, which then runs before a higher class published after it). The broker's own
+# re-delivery is a late safety net: the engine's leases re-deliver a dead worker's jobs.
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # Each worker reserves at most this many messages per slot. Admission already bounds what
 # reaches the broker (sum of limits plus a small overcommit), so 1 means no hoarding.
 CELERY_WORKER_PREFETCH_MULTIPLIER = env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", default=1)
-# With acks on start, a worker would take its next message while every slot is busy (the
-# prefetch window counts unacknowledged messages): it then waits behind the running job,
-# and a message of a higher class published meanwhile runs after it. So a worker fetches
-# only when a slot is free (Redis brokers; see Celery's worker_disable_prefetch).
-CELERY_WORKER_DISABLE_PREFETCH = True
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -41,6 +41,7 @@ from tests.workers import LOG_DIR, ROOT, WorkerProcess, wait_for, worker_env
 DEAD_REDIS = "redis://127.0.0.1:1/15"  # nothing listens on port 1: a real connection failure
 OUTAGE_SUBMIT_EVERY_SECONDS = 1.5
 OUTAGE_SECONDS = 10.0
+UNACKED_KEY = "fq:celery:unacked"  # kombu's Redis transport: delivered, not yet acknowledged
 QUICK = {"seconds": 0.05}
 JOB = {"task": "demo.sleep", "args": QUICK}
 REBUILD_JOBS = 1500
@@ -73,6 +74,9 @@ class RedisOutageTests(E2EBase):
                     self.assertEqual(status, 202, first)
                     accepted = [first["id"]]  # type: ignore[call-overload,index]
                     wait_for(lambda: Job.objects.get(id=accepted[0]).status == JobStatus.SUCCEEDED, timeout=30)
+                    # ...and acknowledged: kombu cannot restore an unacknowledged message once the
+                    # broker is gone and ends the worker (README, Running in production).
+                    wait_for(lambda: not private.client().hlen(UNACKED_KEY), timeout=30, message="the ack")
                     private.stop()
                     began = time.monotonic()
                     answers = []
