@@ -25,6 +25,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from dashboard.snapshot import snapshot_build
 from fairqueue.jobs import stats
 
 log = logging.getLogger("fairqueue.dashboard")
@@ -116,8 +117,6 @@ class FairQueueCollector:
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             if time.monotonic() - self._at >= self.cache_seconds:
-                from dashboard.snapshot import snapshot_build
-
                 try:
                     self._cached = metrics_build(snapshot_build(with_history=False), stats.stats_read())
                 except Exception:

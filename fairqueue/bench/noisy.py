@@ -50,6 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,7 @@ class Planned:
 
 def workload_plan(w: Workload) -> list[Planned]:
     """The deterministic schedule: steady Poisson arrivals plus the noisy burst in chunks."""
-    import numpy as np
+    import numpy as np  # heavy, and only the bench needs it: imported when used
 
     rng = np.random.default_rng(w.seed)
     mu = math.log(w.mean_job_s) - w.sigma**2 / 2
@@ -163,7 +164,7 @@ def workload_plan(w: Workload) -> list[Planned]:
 def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
-    import numpy as np
+    import numpy as np  # heavy, and only the bench needs it: imported when used
 
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
@@ -476,11 +477,11 @@ def report_lines(doc: dict[str, Any]) -> list[str]:
 
 def plot(raw: dict[str, list[dict[str, Any]]], path: str, *, title: str) -> None:
     """Wait distributions (empirical CDFs, log time axis) per mode, one panel per tenant kind."""
-    import matplotlib
+    import matplotlib  # heavy, only for --plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
+    import numpy as np  # heavy, and only the bench needs it: imported when used
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, kind in zip(axes, ("steady tenants", "noisy tenant"), strict=True):
@@ -508,6 +509,7 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str, *, title: str) -> None
 
 
 def _policy_setup(mode: str, w: Workload) -> None:
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
     from tenants.models import PoolSettings, Shard, Tenant
     from tenants.sync import policy_sync_all
 
@@ -538,6 +540,7 @@ class _Recorder:
 
 def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
     """Submit the plan in real time: a thread per steady tenant, one for the burst."""
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
     from django.db import connections
 
     from fairqueue.bench.tasks import PLAIN_TASK_NAME
@@ -616,6 +619,7 @@ class _Tracer(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        # Django's models exist only after django.setup() in the child (child_main): imported here.
         from fairqueue.jobs.admission import shard_tag, tenant_key
         from fairqueue.jobs.fleet import fleet_read
         from fairqueue.jobs.runtime import engine
@@ -652,8 +656,7 @@ def _trace_summary(samples: list[dict[str, Any]], slots: int) -> dict[str, Any] 
 
 
 def _fairqueue_records() -> list[dict[str, Any]]:
-    from datetime import datetime
-
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
     from fairqueue.jobs.models import Job, JobStatus
 
     out = []
@@ -681,6 +684,7 @@ def _fairqueue_records() -> list[dict[str, Any]]:
 
 
 def _fifo_records(rec: _Recorder) -> list[dict[str, Any]]:
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
     from fairqueue.bench.tasks import RUNS_KEY
     from fairqueue.jobs.runtime import redis_client
 
@@ -704,6 +708,7 @@ def _fifo_records(rec: _Recorder) -> list[dict[str, Any]]:
 
 
 def _wait_done(mode: str, expected: int, rec: _Recorder, timeout: float) -> None:
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
     from fairqueue.bench.tasks import RUNS_KEY
     from fairqueue.jobs.models import TERMINAL_STATUSES, Job
     from fairqueue.jobs.runtime import redis_client
@@ -721,6 +726,8 @@ def _wait_done(mode: str, expected: int, rec: _Recorder, timeout: float) -> None
 
 
 def child_main(spec_path: str, out_path: str) -> None:
+    # The child configures Django itself; the functions it calls import models (and what
+    # imports them) inside, because that is possible only after django.setup() here.
     import django
 
     django.setup()

@@ -7,6 +7,7 @@ settings, so one orchestrating process can run several isolated stacks in a row.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -81,7 +82,7 @@ def fresh_database(db_path: Path, env: dict[str, str]) -> None:
 
 def fresh_postgres(server_url: str, name: str) -> str:
     """Drop and create database `name` on the PostgreSQL server; return its URL (migrate next)."""
-    import psycopg
+    import psycopg  # optional: only a run with --database-url needs the PostgreSQL driver here
 
     base = server_url.rstrip("/")
     server, _, _ = base.rpartition("/") if base.count("/") > 2 else (base, "", "")
@@ -183,9 +184,6 @@ def worker_argv(*, hostname: str, slots: int, loglevel: str = "warning") -> list
 def die_with_parent() -> None:
     """preexec_fn for child processes: SIGKILL them when the process that started them dies,
     so a crashed benchmark or test run can never leave workers consuming from its Redis."""
-    import ctypes
-    import signal
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 

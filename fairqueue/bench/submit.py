@@ -19,6 +19,7 @@ parked queues do not grow across paths.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -87,6 +88,8 @@ def _timed(jobs: int, fn: Any) -> dict[str, float]:
 
 
 def child_main(jobs: int, batch: int, out_path: str) -> None:
+    # The child configures Django itself: models and the app can be imported only after
+    # django.setup(), so this process's imports live here rather than at the top.
     import django
 
     django.setup()
@@ -157,8 +160,6 @@ def child_main(jobs: int, batch: int, out_path: str) -> None:
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return dict(os.environ)
 
 

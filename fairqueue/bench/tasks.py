@@ -10,14 +10,14 @@ import time
 
 from celery import shared_task
 
+from fairqueue.jobs.runtime import redis_client
+
 RUNS_KEY = "fqbench:runs"  # HASH job id -> "started,finished,worker"
 PLAIN_TASK_NAME = "fairqueue.bench.plain_sleep"
 
 
 @shared_task(name=PLAIN_TASK_NAME, bind=True, acks_late=True, ignore_result=True)
 def plain_sleep(self, job_id: str, seconds: float) -> None:  # type: ignore[no-untyped-def]
-    from fairqueue.jobs.runtime import redis_client
-
     started = time.time()
     time.sleep(seconds)
     finished = time.time()

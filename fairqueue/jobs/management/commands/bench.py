@@ -9,6 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fairqueue.bench import engine_bench, noisy, submit
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -29,24 +30,18 @@ class Command(BaseCommand):
         ab.add_argument("--calls", type=int, default=40_000, help="calls in all, shared out between versions")
         ab.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
         ab.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database")
-        from fairqueue.bench import noisy, submit
-
         noisy.add_arguments(subparsers.add_parser("noisy", help="noisy neighbour: fifo vs isolation vs fair"))
         submit.add_arguments(subparsers.add_parser("submit", help="jobs accepted/s: REST single, bulk, send_task"))
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["bench"] == "engine":
-            from fairqueue.bench.engine_bench import run
-
             try:
-                result = run(options["redis_url"], quick=options["quick"], log=self.stdout.write)
+                result = engine_bench.run(options["redis_url"], quick=options["quick"], log=self.stdout.write)
             except RuntimeError as exc:
                 raise CommandError(str(exc)) from exc
         elif options["bench"] == "engine-ab":
-            from fairqueue.bench.engine_bench import run_ab
-
             try:
-                result = run_ab(
+                result = engine_bench.run_ab(
                     options["redis_url"],
                     [Path(d) for d in options["lua_dirs"]],
                     options["operation"],
@@ -56,8 +51,6 @@ class Command(BaseCommand):
             except RuntimeError as exc:
                 raise CommandError(str(exc)) from exc
         elif options["bench"] in ("noisy", "submit"):
-            from fairqueue.bench import noisy, submit
-
             module = noisy if options["bench"] == "noisy" else submit
             try:
                 result = module.run_command(options, log=self.stdout.write)
