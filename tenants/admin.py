@@ -19,27 +19,31 @@ from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
 from tenants.selectors import tenant_live_state, tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
 
-CONFIRM_MOVE_HELP = "Tick after reading what the move does to unfinished jobs (shown when saving would move any)."
 
+class MoveConfirmingForm(forms.ModelForm):
+    """A form whose save may move or rename tenants with unfinished jobs: before such a
+    save it says what the move will do to them and asks for the `confirm_move` box."""
 
-def confirm_move_check(form: forms.ModelForm, tenants: QuerySet[Tenant], change: str) -> None:
-    """Before a save that moves or renames tenants with unfinished jobs, say what it will
-    do to them and ask for confirmation (the `confirm_move` box) instead of saving."""
-    if form.cleaned_data.get("confirm_move"):
-        return
-    preview = tenants_move_preview(tenants=tenants)
-    if preview:
-        raise forms.ValidationError(
-            f"{change} {' '.join(preview)} Tick “Confirm move” and save again to go ahead.", code="confirm_move"
-        )
+    confirm_move = forms.BooleanField(
+        required=False,
+        label="Confirm move",
+        help_text="Tick after reading what the move does to unfinished jobs (shown when saving would move any).",
+    )
+
+    def confirm_move_check(self, tenants: QuerySet[Tenant], change: str) -> None:
+        if self.cleaned_data.get("confirm_move"):
+            return
+        preview = tenants_move_preview(tenants=tenants)
+        if preview:
+            raise forms.ValidationError(
+                f"{change} {' '.join(preview)} Tick “Confirm move” and save again to go ahead.", code="confirm_move"
+            )
 
 
 # --- Shards and latency classes ----------------------------------------------------------
 
 
-class ShardAdminForm(forms.ModelForm):
-    confirm_move = forms.BooleanField(required=False, label="Confirm move", help_text=CONFIRM_MOVE_HELP)
-
+class ShardAdminForm(MoveConfirmingForm):
     class Meta:
         model = Shard
         fields = "__all__"
@@ -48,7 +52,7 @@ class ShardAdminForm(forms.ModelForm):
         data: dict[str, Any] = super().clean() or {}
         old, new = self.instance.name, data.get("name")
         if self.instance.pk is not None and new and new != old:
-            confirm_move_check(self, Tenant.objects.filter(shard=self.instance), f"Renaming shard {old} to {new}:")
+            self.confirm_move_check(Tenant.objects.filter(shard=self.instance), f"Renaming shard {old} to {new}:")
         return data
 
 
@@ -122,9 +126,7 @@ class SubTenantInline(admin.TabularInline):
     extra = 0
 
 
-class TenantAdminForm(forms.ModelForm):
-    confirm_move = forms.BooleanField(required=False, label="Confirm move", help_text=CONFIRM_MOVE_HELP)
-
+class TenantAdminForm(MoveConfirmingForm):
     class Meta:
         model = Tenant
         fields = "__all__"
@@ -141,7 +143,7 @@ class TenantAdminForm(forms.ModelForm):
         if slug and slug != tenant.slug:
             changes.append(f"renaming {tenant.slug} to {slug}")
         if changes:
-            confirm_move_check(self, Tenant.objects.filter(pk=tenant.pk), " and ".join(changes).capitalize() + ":")
+            self.confirm_move_check(Tenant.objects.filter(pk=tenant.pk), " and ".join(changes).capitalize() + ":")
         return data
 
     def clean_max_concurrency(self) -> int | None:
