@@ -8,7 +8,7 @@ export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
-.PHONY: demo test lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
+.PHONY: demo test test-distributed lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -37,8 +37,13 @@ typecheck: venv
 	$(VENV)/bin/mypy fairqueue/engine
 	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard
 
+TESTS ?= tests
 test: venv redis lint typecheck
 	$(PY) manage.py test --noinput $(TESTS)
+
+# Several hosts in network namespaces (needs root and iproute2); .ci/run runs it too.
+test-distributed: venv redis
+	$(PY) manage.py test --noinput distributed_tests
 
 demo: venv redis .env migrate
 	@scripts/demo.sh $(DEMO_PORT)

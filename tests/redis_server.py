@@ -16,7 +16,9 @@ class RedisServer:
     """redis-server on a free local port, keeping nothing on disk; stop() and start()
     again is an outage after which it comes back empty, as a restarted Redis does."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, bind: str = "127.0.0.1") -> None:
+        """`bind` "0.0.0.0" serves hosts in network namespaces too (tests/netns.py)."""
+        self.bind = bind
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (.ci/run installs it)")
@@ -34,7 +36,9 @@ class RedisServer:
         return redis.Redis.from_url(self.url, decode_responses=True)
 
     def start(self, timeout: float = 15.0) -> RedisServer:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        argv = [self.binary, "--port", str(self.port), "--bind", self.bind, "--save", "", "--appendonly", "no"]
+        if self.bind != "127.0.0.1":  # reachable from the test's own hosts, without a password
+            argv += ["--protected-mode", "no"]
         self.proc = subprocess.Popen(
             argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )

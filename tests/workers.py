@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
@@ -55,8 +56,10 @@ atexit.register(kill_all_workers)
 class WorkerProcess:
     """One `manage.py worker` subprocess with `slots` thread slots."""
 
-    def __init__(self, *, slots: int = 4, name: str | None = None, **env: str) -> None:
+    def __init__(self, *, slots: int = 4, name: str | None = None, argv_prefix: Sequence[str] = (), **env: str) -> None:
+        """`argv_prefix` runs the worker through another command (e.g. in a network namespace)."""
         self.slots = slots
+        self.argv_prefix = list(argv_prefix)
         self.hostname = f"{name or 'test'}-{uuid.uuid4().hex[:6]}@localhost"
         self.env = worker_env(**env)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -66,7 +69,7 @@ class WorkerProcess:
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info"),
+            [*self.argv_prefix, *worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info")],
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -1,4 +1,5 @@
-"""Demo tasks: a sleep and a simulated document parse. Both write a ledger entry once."""
+"""Demo tasks: a sleep and a simulated document parse. Both write a ledger entry once, and
+both stop when their worker can no longer trust it holds the job (JobContext.check_hold)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ class ParseArgs(BaseModel):
     io_ms_per_page: float = Field(default=20.0, ge=0, le=10_000)
 
 
+# How often a sleeping demo task checks that its worker still holds the job.
+HOLD_CHECK_SECONDS = 0.1
+
+
 def ledger_write(ctx: JobContext, task: str) -> None:
-    """Record the job's side effect; a re-run (after a worker died) does not write twice."""
+    """Record the job's side effect; a re-run (after a worker died) does not write twice,
+    and a fenced delivery (its hold lost) does not write at all."""
+    ctx.check_hold()
     try:
         with transaction.atomic():
             LedgerEntry.objects.create(job_id=ctx.job_id, task=task)
@@ -41,10 +48,17 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+def _sleep(ctx: JobContext, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        ctx.check_hold()
+        time.sleep(min(left, HOLD_CHECK_SECONDS))
+
+
 @fairqueue_task("demo.sleep", args=SleepArgs)
 def demo_sleep(ctx: JobContext, args: SleepArgs) -> dict[str, Any]:
     started = _now()
-    time.sleep(args.seconds)
+    _sleep(ctx, args.seconds)
     ledger_write(ctx, "demo.sleep")
     result: dict[str, Any] = {"started": started, "finished": _now(), "worker": ctx.worker}
     if args.echo is not None:
@@ -58,6 +72,7 @@ def demo_parse(ctx: JobContext, args: ParseArgs) -> dict[str, Any]:
     digest = hashlib.sha256()
     words = 0
     for page in range(args.pages):
+        ctx.check_hold()
         time.sleep(args.io_ms_per_page / 1000)  # fetching the page
         text = (f"page {page} of job {ctx.job_id} " * 200).encode()
         for _ in range(20):  # tokenising and hashing: real CPU work

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import traceback
 from typing import Any
 
@@ -22,7 +23,7 @@ from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import job_release, job_release_or_defer, jobs_admit
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
-from fairqueue.jobs.registry import JobContext, task_get
+from fairqueue.jobs.registry import HoldLost, JobContext, task_get
 from fairqueue.jobs.runtime import engine
 
 log = logging.getLogger("fairqueue.jobs.execution")
@@ -49,6 +50,9 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
     lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
     try:
+        if active_leases.fenced():
+            # This worker cannot confirm the holds it has: take no new job until it can.
+            raise redis.ConnectionError("worker fenced: its lease renewals are not confirmed")
         renewed = engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease)
     except redis.RedisError:
         # Whether we hold the slot is unknown until Redis is back: hand the job to the
@@ -83,7 +87,8 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
             raise LookupError(f"task {job.task!r} is not registered on this worker")
         raw_args = payloads.payload_get(job.args_ref) if job.args_ref else job.args
         args = registered.args_model.model_validate(raw_args)
-        ctx = JobContext(job_id=str(job.id), attempt=job.attempts, worker=worker)
+        ctx = JobContext(job_id=str(job.id), attempt=job.attempts, worker=worker, generation=generation)
+        ctx.bind_hold(lambda: active_leases.hold_lost(job.engine_id))
         value = registered.func(ctx, args)
         encoded = payloads.payload_encode(value)
         if len(encoded) > payloads.payload_threshold():
@@ -91,6 +96,12 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         else:
             fields.update(result=json.loads(encoded))
         fields["status"] = JobStatus.SUCCEEDED
+    except HoldLost:
+        # Fenced: another delivery may own the job now. Record and release nothing: the
+        # engine reclaims the hold when its lease ends and the job is delivered again
+        # (the finally below stops renewing it).
+        log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
+        return "fenced"
     except Exception as exc:
         outcome = "failed"
         fields.update(

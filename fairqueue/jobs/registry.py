@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, PrivateAttr
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -18,12 +18,41 @@ class RegisteredTask:
     args_model: type[BaseModel]
 
 
+class HoldLost(Exception):
+    """Raised by JobContext.check_hold: this worker no longer holds the job (its lease was
+    reclaimed, or could not be renewed for most of a lease), so another delivery may run
+    it. The task stops; nothing is recorded for this delivery."""
+
+
+def _never_lost() -> bool:
+    return False
+
+
 class JobContext(BaseModel):
-    """What a task may know about the job running it."""
+    """What a task may know about the job running it.
+
+    `generation` is the fencing token: it grows with every delivery of the job, so a side
+    effect written with it (a conditional write, a version column) can refuse a stale
+    delivery's write once a newer one has written. `hold_lost()` / `check_hold()` tell a
+    long task to stop when this worker can no longer trust it holds the job.
+    """
 
     job_id: str
     attempt: int
     worker: str
+    generation: int = 0
+    _hold_lost: Callable[[], bool] = PrivateAttr(default_factory=lambda: _never_lost)
+
+    def bind_hold(self, hold_lost: Callable[[], bool]) -> JobContext:
+        self._hold_lost = hold_lost
+        return self
+
+    def hold_lost(self) -> bool:
+        return self._hold_lost()
+
+    def check_hold(self) -> None:
+        if self._hold_lost():
+            raise HoldLost(f"job {self.job_id} generation {self.generation}: hold lost")
 
 
 _REGISTRY: dict[str, RegisteredTask] = {}
