@@ -10,26 +10,35 @@ statement. The bench sums the files before and after a phase.
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from django.db.backends.signals import connection_created
 
-_counter = itertools.count(1)  # next() is atomic under the GIL: threads need no lock
+_counted = 0
+_count_lock = threading.Lock()
 _fd: int | None = None
 _lock = threading.Lock()
 COUNT_WIDTH = 20
+FLUSH_SECONDS = 0.1
+SETTLE_SECONDS = 3 * FLUSH_SECONDS  # every process has written what it counted before then
 
 
 def _count(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-    n = next(_counter)
-    if _fd is not None:
-        os.pwrite(_fd, f"{n:>{COUNT_WIDTH}}\n".encode(), 0)
+    global _counted
+    with _count_lock:
+        _counted += 1
     return execute(sql, params, many, context)
+
+
+def _flush_forever(fd: int) -> None:
+    while True:
+        os.pwrite(fd, f"{_counted:>{COUNT_WIDTH}}\n".encode(), 0)
+        time.sleep(FLUSH_SECONDS)
 
 
 def _on_connection(sender: Any, connection: Any, **kwargs: Any) -> None:
@@ -45,12 +54,13 @@ def install(directory: str) -> None:
             return
         Path(directory).mkdir(parents=True, exist_ok=True)
         _fd = os.open(Path(directory) / str(os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(_fd, f"{0:>{COUNT_WIDTH}}\n".encode(), 0)
+        threading.Thread(target=_flush_forever, args=(_fd,), name="bench-querycount", daemon=True).start()
     connection_created.connect(_on_connection, dispatch_uid="fq_bench_querycount")
 
 
 def total(directory: str | Path) -> int:
     """The statements counted so far by every process that wrote into `directory`."""
+    time.sleep(SETTLE_SECONDS)
     count = 0
     for path in Path(directory).iterdir():
         text = path.read_text().strip()
