@@ -6,6 +6,9 @@ PREFIX = "fq:policy:"
 VERSION_KEY = "fq:policy:version"  # INCRed with every change: the cheap "last changed" marker
 SYNCED_KEY = "fq:policy:synced"  # written by a full sync; its absence means Redis lost its data
 RESYNC_LOCK_KEY = "fq:policy:resync_lock"  # SET NX so one process resyncs after a loss
+# INCRed when an API key is rotated (which changes no policy): read with the policy version,
+# so every process drops its cached keys within one policy check (tenants.authentication).
+AUTH_VERSION_KEY = "fq:policy:auth_version"
 POOL_KEY = "fq:policy:pool"
 TENANTS_INDEX = "fq:policy:tenants"
 SHARDS_INDEX = "fq:policy:shards"

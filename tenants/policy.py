@@ -5,10 +5,14 @@ one round trip to see whether the policy changed (version) or Redis lost its dat
 `synced` marker). On a change it reloads; on a loss it resyncs Redis from the database
 itself, so an admin edit reaches running workers within about CHECK_INTERVAL_SECONDS and
 an emptied Redis heals without anyone running a command.
+
+The same round trip reads the API-key version, so `policy_marker()` tells other caches
+(tenants.authentication) whether anything they hold may have changed, at no cost of its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,6 +29,9 @@ from tenants.sync import policy_sync_all
 log = logging.getLogger("fairqueue.tenants.policy")
 
 CHECK_INTERVAL_SECONDS = 0.25
+# A marker older than this (Redis unreachable since) is no marker: caches keyed on it must
+# not be trusted, since a change made meanwhile could not be heard of.
+MARKER_MAX_AGE_SECONDS = 1.0
 RESYNC_LOCK_SECONDS = 10
 RESYNC_WAIT_SECONDS = 5.0  # how long a process with no snapshot waits for another's resync
 DEFAULT_CLASS = "default"
@@ -118,6 +125,7 @@ class PolicySnapshot:
     pool: PoolPolicy = field(default_factory=PoolPolicy)
     version: int = 0
     sync_id: str = ""  # the `synced` marker it was loaded under; changes when Redis is rebuilt
+    auth_version: str = ""  # keys.AUTH_VERSION_KEY as last read: changes when an API key is rotated
 
     def tenant(self, slug: str) -> TenantPolicy | None:
         return self.tenants.get(slug)
@@ -130,11 +138,13 @@ class PolicySnapshot:
 _lock = threading.Lock()
 _snapshot: PolicySnapshot | None = None
 _checked_at = 0.0
+_confirmed_at = 0.0  # when Redis last answered a check (monotonic)
+_invalidations = 0  # policy_invalidate() calls: part of the marker, so they drop derived caches too
 
 
 def policy_snapshot() -> PolicySnapshot:
     """The current policy; at most every CHECK_INTERVAL_SECONDS it checks Redis for a change."""
-    global _snapshot, _checked_at
+    global _snapshot, _checked_at, _confirmed_at
     snapshot = _snapshot
     if snapshot is not None and time.monotonic() - _checked_at < CHECK_INTERVAL_SECONDS:
         return snapshot
@@ -143,6 +153,7 @@ def policy_snapshot() -> PolicySnapshot:
             return _snapshot
         try:
             _snapshot = _refresh(_snapshot)
+            _confirmed_at = time.monotonic()
         except redis.ConnectionError:
             if _snapshot is None:
                 raise
@@ -151,12 +162,28 @@ def policy_snapshot() -> PolicySnapshot:
         return _snapshot
 
 
+PolicyMarker = tuple[int, int, str, str]
+
+
+def policy_marker() -> PolicyMarker | None:
+    """(local invalidations, policy version, sync id, API-key version) as Redis confirmed
+    them at most MARKER_MAX_AGE_SECONDS ago, or None. A cache of anything the policy or the
+    keys decide stays valid while the marker is unchanged; None means: trust no cache now.
+    Raises like `policy_snapshot` when Redis has never answered."""
+    snapshot = policy_snapshot()
+    if time.monotonic() - _confirmed_at > MARKER_MAX_AGE_SECONDS:
+        return None
+    return _invalidations, snapshot.version, snapshot.sync_id, snapshot.auth_version
+
+
 def policy_invalidate() -> None:
     """Forget the cached snapshot so the next call reads Redis (tests, after a manual sync)."""
-    global _snapshot, _checked_at
+    global _snapshot, _checked_at, _confirmed_at, _invalidations
     with _lock:
         _snapshot = None
         _checked_at = 0.0
+        _confirmed_at = 0.0
+        _invalidations += 1
 
 
 def _refresh(current: PolicySnapshot | None) -> PolicySnapshot:
@@ -164,7 +191,8 @@ def _refresh(current: PolicySnapshot | None) -> PolicySnapshot:
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.VERSION_KEY)
     pipe.get(keys.SYNCED_KEY)
-    raw_version, sync_id = pipe.execute()
+    pipe.get(keys.AUTH_VERSION_KEY)
+    raw_version, sync_id, auth_version = pipe.execute()
     if not sync_id:
         if _resync_from_database(client):
             return _load(client)
@@ -175,6 +203,8 @@ def _refresh(current: PolicySnapshot | None) -> PolicySnapshot:
         _wait_for_sync(client)
         return _load(client)
     if current is not None and current.version == int(raw_version or 0) and current.sync_id == sync_id:
+        if current.auth_version != (auth_version or ""):
+            return dataclasses.replace(current, auth_version=auth_version or "")
         return current
     return _load(client)
 
@@ -228,10 +258,11 @@ def _load(client: redis.Redis) -> PolicySnapshot:
         pipe = client.pipeline(transaction=True)
         pipe.get(keys.VERSION_KEY)
         pipe.get(keys.SYNCED_KEY)
+        pipe.get(keys.AUTH_VERSION_KEY)
         pipe.smembers(keys.TENANTS_INDEX)
         pipe.smembers(keys.SHARDS_INDEX)
         pipe.smembers(keys.CLASSES_INDEX)
-        raw_version, sync_id, slugs, shard_names, class_names = pipe.execute()
+        raw_version, sync_id, auth_version, slugs, shard_names, class_names = pipe.execute()
         slugs, shard_names, class_names = sorted(slugs), sorted(shard_names), sorted(class_names)
 
         pipe = client.pipeline(transaction=True)
@@ -288,4 +319,5 @@ def _load(client: redis.Redis) -> PolicySnapshot:
         pool=pool,
         version=int(raw_version or 0),
         sync_id=sync_id or "",
+        auth_version=auth_version or "",
     )

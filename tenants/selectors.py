@@ -14,12 +14,18 @@ from tenants.redis_client import get_redis
 from tenants.sync import subtenant_policy_mapping, tenant_policy_mapping
 
 
+def tenant_by_key_prefix(prefix: str) -> Tenant | None:
+    """The tenant whose API key has this lookup prefix (not yet checked against the key)."""
+    return Tenant.objects.select_related("shard", "default_latency_class").filter(api_key_prefix=prefix).first()
+
+
 def tenant_authenticate(*, raw_key: str) -> Tenant | None:
-    """The tenant owning this raw API key, or None. Callers decide what an inactive tenant may do."""
+    """The tenant owning this raw API key, or None, read from the database (the API uses
+    the cached tenants.authentication). Callers decide what an inactive tenant may do."""
     prefix = Tenant.prefix_of(raw_key or "")
     if prefix is None:
         return None
-    tenant = Tenant.objects.select_related("shard", "default_latency_class").filter(api_key_prefix=prefix).first()
+    tenant = tenant_by_key_prefix(prefix)
     if tenant is None or not tenant.check_api_key(raw_key):
         return None
     return tenant

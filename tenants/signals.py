@@ -10,7 +10,7 @@ from django.dispatch import receiver
 from tenants import sync
 from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
 
-# Saving only these (API key rotation) changes nothing Redis holds.
+# Saving only these (API key rotation) changes no policy Redis holds, only the key version.
 _API_KEY_FIELDS = frozenset({"api_key_prefix", "api_key_hash", "api_key_rotated_at", "updated_at"})
 
 
@@ -30,6 +30,7 @@ def _tenant_pre_save(sender: type[Tenant], instance: Tenant, update_fields: Any 
 @receiver(post_save, sender=Tenant, dispatch_uid="fq_tenant_post_save")
 def _tenant_post_save(sender: type[Tenant], instance: Tenant, update_fields: Any = None, **kwargs: Any) -> None:
     if update_fields is not None and set(update_fields) <= _API_KEY_FIELDS:
+        sync.api_keys_changed_on_commit()  # no policy changed, but cached keys must go
         return
     old_slug = getattr(instance, "_fq_old_slug", None)
     if old_slug and old_slug != instance.slug:

@@ -346,3 +346,8 @@ def pool_policy_sync_on_commit() -> None:
 
 def pool_policy_delete_on_commit() -> None:
     _defer(("pool-delete",), pool_policy_delete)
+
+
+def api_keys_changed_on_commit() -> None:
+    """After commit, tell every process that an API key changed (it drops its cached keys)."""
+    _defer(("api-keys",), lambda: get_redis().incr(keys.AUTH_VERSION_KEY))

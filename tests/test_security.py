@@ -28,6 +28,7 @@ from django.urls import reverse
 from fairqueue.asgi import application
 from fairqueue.jobs.api import api
 from fairqueue.jobs.models import Job, JobStatus
+from tenants import authentication
 from tenants import selectors as tenant_selectors
 from tenants.models import Tenant
 from tenants.policy import policy_invalidate
@@ -213,9 +214,12 @@ class ApiKeyStorageTests(RedisTestCase):
 
     def test_the_lookup_never_filters_on_the_hash(self) -> None:
         # Filtering by hash in SQL would leak timing through the index; only the prefix is looked up.
-        source = inspect.getsource(tenant_selectors.tenant_authenticate)
+        source = inspect.getsource(tenant_selectors.tenant_by_key_prefix)
         self.assertIn("api_key_prefix=", source)
         self.assertNotIn("api_key_hash", source)
+        for caller in (tenant_selectors.tenant_authenticate, authentication.tenant_authenticate_cached):
+            self.assertIn("tenant_by_key_prefix(prefix)", inspect.getsource(caller))
+            self.assertNotIn("api_key_hash", inspect.getsource(caller))
 
     def test_wrong_keys_are_401(self) -> None:
         http = Client()

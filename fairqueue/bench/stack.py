@@ -248,3 +248,51 @@ def run_child(module: str, args: list[str], *, env: dict[str, str], timeout: flo
     done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=timeout)
     if done.returncode:
         raise StackError(f"{module} {' '.join(args)} failed with exit code {done.returncode}")
+
+
+def gunicorn_argv(*, port: int, processes: int) -> list[str]:
+    """The production web server (README): gunicorn supervising uvicorn worker processes."""
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "fairqueue.asgi:application",
+        "-k",
+        "uvicorn_worker.UvicornWorker",
+        "-w",
+        str(processes),
+        "--bind",
+        f"127.0.0.1:{port}",
+    ]
+
+
+class GunicornServer(WebServer):
+    """`processes` gunicorn + uvicorn worker processes serving fairqueue.asgi on a free port;
+    ready once every process answers (each opens its own accept loop)."""
+
+    def __init__(self, *, env: dict[str, str], log_dir: Path, processes: int, port: int | None = None) -> None:
+        super().__init__(env=env, log_dir=log_dir, port=port)
+        self.processes = processes
+
+    def start(self, *, timeout: float = 60.0) -> GunicornServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            gunicorn_argv(port=self.port, processes=self.processes),
+            cwd=ROOT,
+            env=self.env,
+            stdout=self.log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise StackError(f"gunicorn exited early; see {self.log_path}")
+            if self.log_path.read_text(errors="replace").count("Application startup complete") >= self.processes:
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise StackError(f"gunicorn's {self.processes} processes did not start within {timeout}s; see {self.log_path}")
+
+    def __enter__(self) -> GunicornServer:
+        return self.start()

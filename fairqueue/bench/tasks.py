@@ -1,7 +1,8 @@
-"""The plain-Celery baseline task for `bench noisy --mode fifo`: no FairQueue at all.
+"""Plain-Celery baseline tasks (no FairQueue at all): a sleep for `bench noisy --mode fifo`,
+a no-op for `bench throughput`.
 
-It sleeps and records its own start and finish (unix seconds) and worker in one Redis
-hash, so the benchmark can compute queue waits without touching the database.
+The sleep records its own start and finish (unix seconds) and worker in one Redis hash, so
+the benchmark can compute queue waits without touching the database.
 """
 
 from __future__ import annotations
@@ -22,3 +23,11 @@ def plain_sleep(self, job_id: str, seconds: float) -> None:  # type: ignore[no-u
     time.sleep(seconds)
     finished = time.time()
     redis_client().hset(RUNS_KEY, job_id, f"{started:.6f},{finished:.6f},{self.request.hostname or ''}")
+
+
+PLAIN_NOOP_TASK_NAME = "fairqueue.bench.plain_noop"
+
+
+@shared_task(name=PLAIN_NOOP_TASK_NAME, acks_late=True, ignore_result=True)
+def plain_noop() -> None:
+    """The plain-Celery baseline of `bench throughput`: a task that does nothing at all."""

@@ -1,5 +1,6 @@
-"""Demo tasks: a sleep and a simulated document parse. Both write a ledger entry once, and
-both stop when their worker can no longer trust it holds the job (JobContext.check_hold)."""
+"""Demo tasks: a sleep and a simulated document parse, which write a ledger entry once and
+stop when their worker can no longer trust it holds the job (JobContext.check_hold), and a
+no-op, which does nothing at all (what FairQueue itself costs per job: `bench throughput`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class SleepArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     seconds: float = Field(ge=0, le=3600)
     echo: Any = None
+
+
+class NoArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
 class ParseArgs(BaseModel):
@@ -64,6 +69,11 @@ def demo_sleep(ctx: JobContext, args: SleepArgs) -> dict[str, Any]:
     if args.echo is not None:
         result["echo"] = args.echo
     return result
+
+
+@fairqueue_task("demo.noop", args=NoArgs)
+def demo_noop(ctx: JobContext, args: NoArgs) -> None:
+    """Nothing: no ledger write, no result."""
 
 
 @fairqueue_task("demo.parse", args=ParseArgs)

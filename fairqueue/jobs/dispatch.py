@@ -24,7 +24,7 @@ from django.utils import timezone
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, stats
 from fairqueue.jobs.admission import admission_plan, class_level, job_placement, shard_tag
-from fairqueue.jobs.broker import delivery_publish, delivery_route, split_engine_id
+from fairqueue.jobs.broker import deliveries_publish, delivery_route, split_engine_id
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
@@ -42,6 +42,7 @@ def jobs_admit(
     running: bool = False,
     rebuilding: bool = False,
     strict: bool = False,
+    fresh: bool = False,
 ) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
 
@@ -57,6 +58,10 @@ def jobs_admit(
     marked ready on the spot and the admission retried once (a fresh Redis, tests).
 
     `strict=True` lets a Redis error through instead (the rebuild must know it failed).
+
+    `fresh=True`: the rows were just written `queued` with `admitted_at` set by the caller
+    (the submit path, fairqueue.jobs.submission), which is what an admission records, so
+    an admitted job costs no write; only parked or unready ones are updated.
     """
     if not jobs:
         return
@@ -67,6 +72,7 @@ def jobs_admit(
             dispatch=dispatch,
             running=running,
             require_ready=not running and not rebuilding,
+            fresh=fresh,
         )
     except redis.RedisError:
         if strict:
@@ -124,7 +130,7 @@ def _update_where(jobs: Iterable[Job], statuses: Sequence[str], **fields: Any) -
 
 
 def _jobs_admit(
-    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool
+    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool, fresh: bool
 ) -> None:
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
@@ -178,8 +184,8 @@ def _jobs_admit(
         log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting))
         _update_where(waiting, WAITING, status=JobStatus.QUEUED, admitted_at=None)
     if parked:
-        _update_where(parked, [JobStatus.QUEUED], status=JobStatus.PARKED)
-    if go:
+        _update_where(parked, [JobStatus.QUEUED], status=JobStatus.PARKED, admitted_at=None)
+    if go and not fresh:
         _update_where(go, WAITING, status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now)))
     for job, outcome in pairs:
         if outcome.admitted:
@@ -191,6 +197,7 @@ def _jobs_admit(
             job.admitted_at = None
         elif job.status == JobStatus.QUEUED:
             job.status = JobStatus.PARKED
+            job.admitted_at = None
     if not dispatch:
         return
     _publish([(j.engine_id, i.data) for j, i, o in zip(admitted_jobs, items, outcomes, strict=True) if o.admitted])
@@ -198,16 +205,18 @@ def _jobs_admit(
 
 
 def _publish(deliveries: Sequence[tuple[str, str]]) -> None:
-    """Publish (engine id, route) deliveries. One the broker refused goes back to `queued`
-    with no admission: the pending sweep admits it again (the engine still knows it as a
-    holder, so that admission succeeds at once) and publishes it then."""
-    failed: list[tuple[str, int]] = []
-    for engine_id, route in deliveries:
-        try:
-            delivery_publish(engine_id, route)
-        except Exception:
-            log.exception("could not publish job %s; the pending sweep publishes it again", engine_id)
-            failed.append(split_engine_id(engine_id))
+    """Publish (engine id, route) deliveries in one broker round trip. If the broker refused
+    them they go back to `queued` with no admission: the pending sweep admits them again
+    (the engine still knows them as holders, so that admission succeeds at once) and
+    publishes them then."""
+    if not deliveries:
+        return
+    try:
+        deliveries_publish(deliveries)
+        return
+    except Exception:
+        log.exception("could not publish %d job(s); the pending sweep publishes them again", len(deliveries))
+    failed = [split_engine_id(engine_id) for engine_id, _ in deliveries]
     for generation, ids in _by_generation(failed).items():
         Job.objects.filter(id__in=ids, generation=generation, status__in=WAITING).update(
             status=JobStatus.QUEUED, admitted_at=None

@@ -3,6 +3,14 @@
 The row is committed first (the database is the truth); the engine then admits or parks
 the job in one round trip (fairqueue.jobs.dispatch). Bulk submissions are all valid or
 none is written.
+
+A submit costs one statement (a single INSERT, or one multi-row INSERT for a bulk, in one
+transaction), one engine round trip and one broker round trip. The rows are written
+`queued` with `admitted_at` set, which is what an admission records, so an admitted job
+needs no second write: only a parked job is updated (to `parked`). If the admission does
+not happen, `admitted_at` is cleared again so the pending sweep admits the job; if this
+process dies in between, the reconciler finds a `queued` row marked admitted that the
+engine does not know and re-enters it (fairqueue.jobs.recovery).
 """
 
 from __future__ import annotations
@@ -14,14 +22,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import IntegrityError, transaction
+import redis
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
-from fairqueue.jobs.models import KEY_SEPARATOR, Job
+from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -159,9 +169,11 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
         if not fresh:
             return [r for r in results if r is not None]
         _offload_large_args(fresh)
+        accepted_at = timezone.now()
+        for job in fresh:
+            job.admitted_at = accepted_at  # see the module docstring
         try:
-            with transaction.atomic():
-                Job.objects.bulk_create(fresh)
+            _insert(fresh)
         except IntegrityError as exc:
             _discard_offloaded(fresh)
             # A concurrent request won the race on an idempotency key: answer with its jobs.
@@ -181,6 +193,21 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
     raise AssertionError("unreachable: the loop returns or raises")
 
 
+def _insert(jobs: Sequence[Job]) -> None:
+    """Write the rows in one statement: a lone row by a plain INSERT (its own transaction;
+    in a caller's transaction, a savepoint keeps a refused INSERT from breaking it), many by
+    one multi-row INSERT in one transaction."""
+    if len(jobs) == 1:
+        if connection.in_atomic_block:
+            with transaction.atomic():
+                jobs[0].save(force_insert=True)
+        else:
+            jobs[0].save(force_insert=True)
+        return
+    with transaction.atomic():
+        Job.objects.bulk_create(jobs)
+
+
 def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) -> bool:
     """True if another request stored one of `keys` since we looked: the race to answer."""
     return Job.objects.filter(tenant=tenant, idempotency_key__in=keys).exclude(idempotency_key__in=list(seen)).exists()
@@ -192,6 +219,25 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
     try:
         live.record_submissions(tenant_slug=tenant.slug, count=len(jobs))
         stats.count("submitted", len(jobs))
-        jobs_admit(jobs, policy=policy)
+    except Exception:
+        log.exception("could not count %d submission(s)", len(jobs))
+    try:
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True)
+    except redis.RedisError:
+        log.warning("Redis unreachable: %d accepted job(s) wait for the pending sweep", len(jobs))
+        _admission_pending(jobs)
     except Exception:
         log.exception("%d accepted job(s) not admitted now; the pending sweep admits them", len(jobs))
+        _admission_pending(jobs)
+
+
+def _admission_pending(jobs: Sequence[Job]) -> None:
+    """The admission did not happen: clear the mark the rows were written with, so the
+    pending sweep admits them (if even this fails, the reconciler re-enters them)."""
+    try:
+        Job.objects.filter(id__in=[j.id for j in jobs], generation=0, status=JobStatus.QUEUED).update(admitted_at=None)
+    except Exception:
+        log.exception("could not mark %d job(s) for the pending sweep; the reconciler re-enters them", len(jobs))
+    for job in jobs:
+        if job.status == JobStatus.QUEUED:
+            job.admitted_at = None
