@@ -77,7 +77,27 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
     statuses = sorted(set(FINISHED_STATUSES) | {k.split(":", 1)[1] for k in cells if k.startswith("finished:")})
     for status in statuses:
         finished.add_metric([status], cells.get(f"finished:{status}", 0.0))
+    offered = GaugeMetricFamily(
+        "fairqueue_worker_offered_slots",
+        "Slots a worker offers now (fewer than configured under resource backpressure).",
+        labels=["worker"],
+    )
+    configured = GaugeMetricFamily(
+        "fairqueue_worker_configured_slots", "Slots a worker was started with.", labels=["worker"]
+    )
+    backpressure = GaugeMetricFamily(
+        "fairqueue_worker_backpressure",
+        "1 while a worker offers fewer slots than configured, labelled with the signal that made it.",
+        labels=["worker", "signal"],
+    )
+    for w in snapshot.get("workers", []):
+        offered.add_metric([w["hostname"]], w["slots"])
+        configured.add_metric([w["hostname"]], w["capacity"])
+        backpressure.add_metric([w["hostname"], w["signal"] or "none"], 1.0 if w["slots"] < w["capacity"] else 0.0)
     return [
+        offered,
+        configured,
+        backpressure,
         in_flight,
         limit,
         parked,
