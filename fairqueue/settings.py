@@ -194,6 +194,18 @@ FAIRQUEUE = {
         "STEP_SECONDS": env.float("FAIRQUEUE_BACKPRESSURE_STEP_SECONDS", default=1.0),
         "RECOVER_SECONDS": env.float("FAIRQUEUE_BACKPRESSURE_RECOVER_SECONDS", default=10.0),
     },
+    # Slots desired (fairqueue/jobs/capacity.py): the forecast looks one warm-up ahead, the
+    # time from asking for a worker to its first job (node, image pull, start-up).
+    "FORECAST": {
+        "WARMUP_SECONDS": env.float("FAIRQUEUE_FLEET_WARMUP_SECONDS", default=600.0),
+        "WEEKS": env.int("FAIRQUEUE_FORECAST_WEEKS", default=4),
+        "DECAY": env.float("FAIRQUEUE_FORECAST_DECAY", default=0.5),  # weight of each older week
+        # Headroom for the random spread around the hourly mean, in standard deviations.
+        "SPREAD_SIGMAS": env.float("FAIRQUEUE_FORECAST_SPREAD_SIGMAS", default=1.0),
+        "REFRESH_SECONDS": env.float("FAIRQUEUE_FORECAST_REFRESH_SECONDS", default=900.0),
+        "RECORD_SECONDS": env.float("FAIRQUEUE_CAPACITY_RECORD_SECONDS", default=60.0),
+        "HISTORY_POINTS": env.int("FAIRQUEUE_CAPACITY_HISTORY_POINTS", default=180),  # 3 h at one a minute
+    },
 }
 if FAIRQUEUE["RETENTION_DAYS"] < 0:
     raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
