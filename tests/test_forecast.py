@@ -226,6 +226,7 @@ class SlotsDesiredTests(RedisTestCase):
         self.assertEqual(snap["capacity"]["desired"], max(20, expected))
         self.assertEqual(len(snap["capacity"]["history"]), 1)  # the point the duty recorded
         self.assertEqual(len(snap["capacity"]["ahead"]), 25)
+        self.assertEqual(snap["capacity"]["ahead"][0][1], expected)  # the chart's line ahead starts at the term
         self.assertEqual(snap["workers"][0]["hostname"], "w1")
 
     def test_the_duty_rebuilds_once_per_period_and_after_redis_loses_it(self) -> None:

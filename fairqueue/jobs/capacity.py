@@ -36,7 +36,6 @@ from fairqueue.jobs.forecast import (
     forecast_peak,
     hour_index,
     profile_build,
-    profiles_at,
     slots_desired,
     slots_for,
 )
@@ -145,7 +144,7 @@ def capacity_read(*, fleet: dict[str, int], target_utilisation: float, with_hist
     Shape: {"slots", "busy", "needed_now", "forecast", "desired", "forecast_busy",
     "forecast_busy_by_class", "warmup_s", "target", "profile_computed_at",
     "history": [[ts, slots, busy, desired, forecast], ...] oldest first,
-    "ahead": [[ts, forecast slots], ...] from now on}
+    "ahead": [[ts, forecast slots], ...] from now on: the forecast term as it will read then}
     """
     now = time.time()
     pipe = redis_client().pipeline(transaction=False)
@@ -164,8 +163,20 @@ def capacity_read(*, fleet: dict[str, int], target_utilisation: float, with_hist
     )
     if with_history:
         figures["history"] = [json.loads(p) for p in reversed(results[1])]
+        conf = _conf()
         figures["ahead"] = [
-            [round(now + s), slots_for(profiles_at(profiles, now + s), target_utilisation)]
+            [
+                round(now + s),
+                slots_for(
+                    forecast_peak(
+                        profiles,
+                        start=now + s,
+                        horizon_seconds=float(conf["WARMUP_SECONDS"]),
+                        spread_sigmas=float(conf["SPREAD_SIGMAS"]),
+                    ),
+                    target_utilisation,
+                ),
+            ]
             for s in range(0, AHEAD_SECONDS + 1, AHEAD_STEP_SECONDS)
         ]
     return figures

@@ -126,7 +126,7 @@
     return e;
   }
   function capacityChart(cap, nowTs) {
-    var W = 760, H = 220, L = 40, R = 12, T = 10, B = 24;
+    var W = 760, H = 220, L = 40, R = 34, T = 10, B = 24;
     var hist = cap.history || [], ahead = cap.ahead || [];
     var t0 = hist.length ? Math.min(hist[0][0], nowTs - 3600) : nowTs - 3600;
     var t1 = ahead.length ? ahead[ahead.length - 1][0] : nowTs + 3600;
@@ -161,10 +161,11 @@
     var live = hist.map(function (p) { return [p[0], p[1]]; }).concat([[nowTs, cap.slots]]);
     var desired = hist.map(function (p) { return [p[0], p[3]]; }).concat([[nowTs, cap.desired]]);
     var forecast = hist.map(function (p) { return [p[0], p[4]]; }).concat([[nowTs, cap.forecast]]);
-    line(forecast, "forecast");
-    line([[nowTs, cap.forecast]].concat(ahead.map(function (p) { return [p[0], p[1]]; })), "ahead");
+    // Desired is drawn wide underneath: where it equals the forecast, both stay visible.
     line(desired, "desired");
     line(live, "live");
+    line(forecast, "forecast");
+    line([[nowTs, cap.forecast]].concat(ahead.map(function (p) { return [p[0], p[1]]; })), "ahead");
     return svg;
   }
 
