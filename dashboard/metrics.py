@@ -147,6 +147,11 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         _histogram("fairqueue_admit_latency_seconds", "Engine admit call latency.", cells, "admit"),
         _histogram("fairqueue_release_latency_seconds", "Engine release call latency.", cells, "release"),
         CounterMetricFamily("fairqueue_jobs_submitted", "Jobs accepted.", value=cells.get("submitted", 0.0)),
+        CounterMetricFamily(
+            "fairqueue_jobs_handed_back",
+            "Deliveries a worker gave back because its version cannot run the task (rolling deploys).",
+            value=cells.get("handed_back", 0.0),
+        ),
         finished,
     ]
 

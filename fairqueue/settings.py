@@ -168,6 +168,9 @@ FAIRQUEUE = {
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
+    # A worker hands back a job whose task (or arguments) its version does not know, for
+    # another worker; after this long since the first hand-back the job fails `unknown_task`.
+    "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
     # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
     "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
     # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.

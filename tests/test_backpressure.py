@@ -119,6 +119,8 @@ class ResourceReadingTests(SimpleTestCase):
 class WorkerBackpressureTests(RedisTransactionTestCase):
     """A real 4-slot worker process, a task that allocates memory past its threshold."""
 
+    serialized_rollback = True  # the latency classes the migrations seed survive the flush
+
     LIMIT_BYTES = 1 * GIB
     HOG_MB = 700  # past the high mark (0.5 of the limit) on top of the worker's own ~150 MB
 
