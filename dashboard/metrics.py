@@ -47,6 +47,37 @@ def _histogram(name: str, doc: str, cells: dict[str, float], kind: str) -> Histo
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=cells.get(f"{kind}:sum", 0.0))
 
 
+def _capacity_families(capacity: dict[str, Any] | None) -> list[Metric]:
+    """The autoscaling signal that anticipates the day (fairqueue.jobs.capacity)."""
+    if not capacity:
+        return []
+    by_class = GaugeMetricFamily(
+        "fairqueue_forecast_busy_slots",
+        "Most busy slots the demand profile expects within the fleet's warm-up time, per latency class.",
+        labels=["class"],
+    )
+    for cls, busy in sorted(capacity["forecast_busy_by_class"].items()):
+        by_class.add_metric([cls], busy)
+    return [
+        GaugeMetricFamily(
+            "fairqueue_slots_desired",
+            "Slots the fleet should have: max(slots needed now, slots forecast within the warm-up time).",
+            value=capacity["desired"],
+        ),
+        GaugeMetricFamily(
+            "fairqueue_slots_needed_now",
+            "Non-batch busy slots at the pool's target utilisation.",
+            value=capacity["needed_now"],
+        ),
+        GaugeMetricFamily(
+            "fairqueue_slots_forecast",
+            "Slots the forecast asks for within the fleet's warm-up time, at the target utilisation.",
+            value=capacity["forecast"],
+        ),
+        by_class,
+    ]
+
+
 def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Metric]:
     """The metric families for one snapshot and one read of the stats hash."""
     in_flight = GaugeMetricFamily("fairqueue_tenant_in_flight", "Jobs holding a tenant's slots.", labels=["tenant"])
@@ -77,7 +108,26 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
     statuses = sorted(set(FINISHED_STATUSES) | {k.split(":", 1)[1] for k in cells if k.startswith("finished:")})
     for status in statuses:
         finished.add_metric([status], cells.get(f"finished:{status}", 0.0))
+    offered = GaugeMetricFamily(
+        "fairqueue_worker_offered_slots",
+        "Slots a worker offers now (fewer than configured under resource backpressure).",
+        labels=["worker"],
+    )
+    configured = GaugeMetricFamily(
+        "fairqueue_worker_configured_slots", "Slots a worker was started with.", labels=["worker"]
+    )
+    backpressure = GaugeMetricFamily(
+        "fairqueue_worker_backpressure",
+        "1 while a worker offers fewer slots than configured, labelled with the signal that made it.",
+        labels=["worker", "signal"],
+    )
+    for w in snapshot.get("workers", []):
+        offered.add_metric([w["hostname"]], w["slots"])
+        configured.add_metric([w["hostname"]], w["capacity"])
+        backpressure.add_metric([w["hostname"], w["signal"] or "none"], 1.0 if w["slots"] < w["capacity"] else 0.0)
+    families = [offered, configured, backpressure, *_capacity_families(snapshot.get("capacity"))]
     return [
+        *families,
         in_flight,
         limit,
         parked,
@@ -97,6 +147,11 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         _histogram("fairqueue_admit_latency_seconds", "Engine admit call latency.", cells, "admit"),
         _histogram("fairqueue_release_latency_seconds", "Engine release call latency.", cells, "release"),
         CounterMetricFamily("fairqueue_jobs_submitted", "Jobs accepted.", value=cells.get("submitted", 0.0)),
+        CounterMetricFamily(
+            "fairqueue_jobs_handed_back",
+            "Deliveries a worker gave back because its version cannot run the task (rolling deploys).",
+            value=cells.get("handed_back", 0.0),
+        ),
         finished,
     ]
 

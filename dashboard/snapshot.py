@@ -29,7 +29,10 @@ JSON shape (all numbers plain; ages and durations in seconds)::
                    "oldest_wait_s" (null when nothing waits), "rate_per_min", "mean_job_s"}],
       "cells": [{"shard", "class", "objective_s", "oldest_age_s", "state", "waiting",
                  "history": [age, ...]}],   # history oldest first, at most HISTORY_LEN ticks
-      "red": [cell, ...]                    # the cells whose state is "red"
+      "red": [cell, ...],                   # the cells whose state is "red"
+      "workers": [{"hostname", "slots" (offered), "capacity" (configured), "busy", "busy_batch",
+                   "signal" (e.g. "memory"; "" when all are offered), "reason" (a sentence)}],
+      "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
     }
 
 A cell is green while its oldest waiting job is younger than the class objective (or
@@ -47,7 +50,8 @@ from django.db.models import BooleanField, Case, Count, Min, Q, Value, When
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, shard_tag, tenant_key, tenant_limit_for
-from fairqueue.jobs.fleet import fleet_read
+from fairqueue.jobs.capacity import capacity_read
+from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -252,4 +256,10 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "tenants": tenant_rows,
         "cells": cells,
         "red": [c for c in cells if c["state"] == RED],
+        # Per worker: offered and configured slots and why fewer are offered (backpressure).
+        "workers": fleet_workers(),
+        # Slots live, needed now, forecast and desired (the autoscaling signal), with the chart's history.
+        "capacity": capacity_read(
+            fleet=fleet, target_utilisation=policy.pool.target_utilisation, with_history=with_history
+        ),
     }

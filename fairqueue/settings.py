@@ -186,11 +186,56 @@ FAIRQUEUE = {
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
+    # A worker hands back a job whose task (or arguments) its version does not know, for
+    # another worker; after this long since the first hand-back the job fails `unknown_task`.
+    "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
+    # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
+    "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
     # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.
     "RETENTION_DAYS": env.float("FAIRQUEUE_RETENTION_DAYS", default=30.0),
+    # Resource backpressure (fairqueue/jobs/backpressure.py): per worker, so each host's
+    # environment sets its own. Marks are shares (0..1); a high mark of 0 turns a signal off.
+    # CPU and CPU/IO stalls are off by default: a fleet sized to run hot is busy by design.
+    "BACKPRESSURE": {
+        "ENABLED": env.bool("FAIRQUEUE_BACKPRESSURE", default=True),
+        "SAMPLE_SECONDS": env.float("FAIRQUEUE_BACKPRESSURE_SAMPLE_SECONDS", default=0.25),
+        # 0: the cgroup's memory.max, or the machine's RAM outside a limited cgroup.
+        "MEMORY_LIMIT_BYTES": env.int("FAIRQUEUE_WORKER_MEMORY_LIMIT_BYTES", default=0),
+        "MEMORY_HIGH": env.float("FAIRQUEUE_BACKPRESSURE_MEMORY_HIGH", default=0.90),
+        "MEMORY_LOW": env.float("FAIRQUEUE_BACKPRESSURE_MEMORY_LOW", default=0.80),
+        "CPU_HIGH": env.float("FAIRQUEUE_BACKPRESSURE_CPU_HIGH", default=0.0),
+        "CPU_LOW": env.float("FAIRQUEUE_BACKPRESSURE_CPU_LOW", default=0.0),
+        "PSI_CPU_HIGH": env.float("FAIRQUEUE_BACKPRESSURE_PSI_CPU_HIGH", default=0.0),
+        "PSI_CPU_LOW": env.float("FAIRQUEUE_BACKPRESSURE_PSI_CPU_LOW", default=0.0),
+        "PSI_MEMORY_HIGH": env.float("FAIRQUEUE_BACKPRESSURE_PSI_MEMORY_HIGH", default=0.25),
+        "PSI_MEMORY_LOW": env.float("FAIRQUEUE_BACKPRESSURE_PSI_MEMORY_LOW", default=0.10),
+        "PSI_IO_HIGH": env.float("FAIRQUEUE_BACKPRESSURE_PSI_IO_HIGH", default=0.0),
+        "PSI_IO_LOW": env.float("FAIRQUEUE_BACKPRESSURE_PSI_IO_LOW", default=0.0),
+        "MIN_SLOTS": env.int("FAIRQUEUE_BACKPRESSURE_MIN_SLOTS", default=1),
+        "STEP_SECONDS": env.float("FAIRQUEUE_BACKPRESSURE_STEP_SECONDS", default=1.0),
+        "RECOVER_SECONDS": env.float("FAIRQUEUE_BACKPRESSURE_RECOVER_SECONDS", default=10.0),
+    },
+    # Slots desired (fairqueue/jobs/capacity.py): the forecast looks one warm-up ahead, the
+    # time from asking for a worker to its first job (node, image pull, start-up).
+    "FORECAST": {
+        "WARMUP_SECONDS": env.float("FAIRQUEUE_FLEET_WARMUP_SECONDS", default=600.0),
+        "WEEKS": env.int("FAIRQUEUE_FORECAST_WEEKS", default=4),
+        "DECAY": env.float("FAIRQUEUE_FORECAST_DECAY", default=0.5),  # weight of each older week
+        # Headroom for the random spread around the hourly mean, in standard deviations.
+        "SPREAD_SIGMAS": env.float("FAIRQUEUE_FORECAST_SPREAD_SIGMAS", default=1.0),
+        "REFRESH_SECONDS": env.float("FAIRQUEUE_FORECAST_REFRESH_SECONDS", default=900.0),
+        "RECORD_SECONDS": env.float("FAIRQUEUE_CAPACITY_RECORD_SECONDS", default=60.0),
+        "HISTORY_POINTS": env.int("FAIRQUEUE_CAPACITY_HISTORY_POINTS", default=180),  # 3 h at one a minute
+    },
 }
 if FAIRQUEUE["RETENTION_DAYS"] < 0:
     raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
+for _signal in ("MEMORY", "CPU", "PSI_CPU", "PSI_MEMORY", "PSI_IO"):
+    _high, _low = FAIRQUEUE["BACKPRESSURE"][f"{_signal}_HIGH"], FAIRQUEUE["BACKPRESSURE"][f"{_signal}_LOW"]
+    if _high and not 0 <= _low <= _high:
+        raise ImproperlyConfigured(
+            f"FAIRQUEUE_BACKPRESSURE_{_signal}_LOW ({_low}) must be between 0 and the high mark ({_high})."
+        )
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},

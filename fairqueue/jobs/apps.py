@@ -1,6 +1,9 @@
 """App config for the jobs side."""
 
+import importlib
+
 from django.apps import AppConfig
+from django.conf import settings
 
 
 class JobsConfig(AppConfig):
@@ -11,6 +14,10 @@ class JobsConfig(AppConfig):
     def ready(self) -> None:
         # Register the demo tasks, the worker's and the admin's signal handlers in every process.
         from fairqueue.jobs import demo_tasks, signals, worker  # noqa: F401
+
+        # The deployment's own task modules: each registers its tasks on import.
+        for module in settings.FAIRQUEUE["TASK_MODULES"]:
+            importlib.import_module(module)
         from fairqueue.jobs.moves import tenants_move_preview
         from fairqueue.jobs.selectors import tenant_admin_live_state
         from tenants.selectors import live_state_provider_register, move_preview_provider_register

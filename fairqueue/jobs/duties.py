@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
@@ -78,6 +79,7 @@ def scheduler_tick() -> None:
         releases_pending,
         reconcile,
         retention_step,
+        capacity_step,
     ]
     for duty in duties:
         try:

@@ -17,7 +17,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs import handback, live, payloads, stats
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import job_release, job_release_or_defer, jobs_admit
@@ -44,6 +44,10 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
             key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
         )
     tag = job.engine_tag
+    # Rolling deploys: a job this worker's version cannot run goes back for another worker.
+    cannot = handback.refusal(job)
+    if cannot:
+        return handback.hand_back(job, cannot, worker=worker)
     # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a

@@ -8,6 +8,7 @@ heartbeating drops out of the totals after WORKER_TTL_SECONDS.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fairqueue.jobs.runtime import redis_client
 
@@ -15,13 +16,19 @@ WORKERS_KEY = "fq:workers:slots"  # HASH hostname -> slots
 SEEN_KEY = "fq:workers:seen"  # ZSET hostname -> last heartbeat (unix s)
 BUSY_KEY = "fq:workers:busy"  # HASH hostname -> running jobs
 BUSY_BATCH_KEY = "fq:workers:busy_batch"  # HASH hostname -> running batch-lane jobs
+# Backpressure (fairqueue.jobs.backpressure): WORKERS_KEY holds the slots a worker *offers*;
+# these hold the slots it was started with and why it offers fewer (empty when it does not).
+CAPACITY_KEY = "fq:workers:capacity"  # HASH hostname -> configured slots
+REASON_KEY = "fq:workers:reason"  # HASH hostname -> "signal\tsentence", empty when none
+PER_WORKER_KEYS = (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY, CAPACITY_KEY, REASON_KEY)
 HEARTBEAT_SECONDS = 1.0
 WORKER_TTL_SECONDS = 6.0
 FORGET_AFTER_SECONDS = 10 * WORKER_TTL_SECONDS  # a silent worker's entry is then dropped
 
 
 def fleet_read() -> dict[str, int]:
-    """Live slots and busy slots of the fleet: one pipelined round trip."""
+    """Live slots (as offered: backpressure shrinks them) and busy slots of the fleet: one
+    pipelined round trip."""
     client = redis_client()
     now = time.time()
     pipe = client.pipeline(transaction=False)
@@ -38,8 +45,46 @@ def fleet_read() -> dict[str, int]:
     }
 
 
-def worker_heartbeat(*, hostname: str, slots: int, running: int, running_batch: int) -> None:
-    """Publish one worker's entry and forget workers silent for FORGET_AFTER_SECONDS."""
+def fleet_workers() -> list[dict[str, Any]]:
+    """Each live worker's entry, by hostname: offered and configured slots, busy, and
+    why it offers fewer than configured (`signal` a bounded name, `reason` a sentence)."""
+    client = redis_client()
+    pipe = client.pipeline(transaction=False)
+    pipe.zrangebyscore(SEEN_KEY, time.time() - WORKER_TTL_SECONDS, "+inf")
+    for key in PER_WORKER_KEYS:
+        pipe.hgetall(key)
+    live, slots, busy, busy_batch, capacity, reasons = pipe.execute()
+    rows = []
+    for hostname in sorted(live):
+        signal, _, reason = reasons.get(hostname, "").partition("\t")
+        offered = int(slots.get(hostname, 0))
+        rows.append(
+            {
+                "hostname": hostname,
+                "slots": offered,
+                "capacity": int(capacity.get(hostname, offered)),
+                "busy": int(busy.get(hostname, 0)),
+                "busy_batch": int(busy_batch.get(hostname, 0)),
+                "signal": signal,
+                "reason": reason,
+            }
+        )
+    return rows
+
+
+def worker_heartbeat(
+    *,
+    hostname: str,
+    slots: int,
+    running: int,
+    running_batch: int,
+    capacity: int | None = None,
+    signal: str = "",
+    reason: str = "",
+) -> None:
+    """Publish one worker's entry and forget workers silent for FORGET_AFTER_SECONDS.
+
+    `slots` is what the worker offers now; `capacity` what it was started with."""
     client = redis_client()
     now = time.time()
     stale = client.zrangebyscore(SEEN_KEY, "-inf", now - FORGET_AFTER_SECONDS)
@@ -47,9 +92,11 @@ def worker_heartbeat(*, hostname: str, slots: int, running: int, running_batch: 
     pipe.hset(WORKERS_KEY, hostname, slots)
     pipe.hset(BUSY_KEY, hostname, running)
     pipe.hset(BUSY_BATCH_KEY, hostname, running_batch)
+    pipe.hset(CAPACITY_KEY, hostname, slots if capacity is None else capacity)
+    pipe.hset(REASON_KEY, hostname, f"{signal}\t{reason}" if signal else "")
     pipe.zadd(SEEN_KEY, {hostname: now})
     if stale:
-        for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
+        for key in PER_WORKER_KEYS:
             pipe.hdel(key, *stale)
         pipe.zrem(SEEN_KEY, *stale)
     pipe.execute()
@@ -58,7 +105,7 @@ def worker_heartbeat(*, hostname: str, slots: int, running: int, running_batch: 
 def worker_deregister(hostname: str) -> None:
     """Remove a worker's entry at once (a clean shutdown)."""
     pipe = redis_client().pipeline(transaction=False)
-    for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
+    for key in PER_WORKER_KEYS:
         pipe.hdel(key, hostname)
     pipe.zrem(SEEN_KEY, hostname)
     pipe.execute()

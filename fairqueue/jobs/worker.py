@@ -1,10 +1,11 @@
 """The Celery signal wiring of a FairQueue worker: what runs beside its tasks.
 
-On `worker_ready` it starts two daemon threads, the fleet heartbeat and the ticker that
-runs the periodic duties while this worker holds the fleet's duty lease
-(fairqueue.jobs.leadership); on SIGTERM it drains; on shutdown it deregisters and hands
-the lease on. A worker
-killed with SIGKILL simply stops heartbeating and drops out of the fleet count.
+On `worker_ready` it starts three daemon threads: the fleet heartbeat, which publishes the
+slots this worker offers; the backpressure sampler (fairqueue.jobs.backpressure), which
+shrinks them under resource pressure; and the ticker that runs the periodic duties while
+this worker holds the fleet's duty lease (fairqueue.jobs.leadership). On SIGTERM it drains;
+on shutdown it deregisters and hands the lease on. A worker killed with SIGKILL simply
+stops heartbeating and drops out of the fleet count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from django.conf import settings
 
 from fairqueue.jobs import stats
+from fairqueue.jobs.backpressure import Backpressure
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
@@ -34,13 +36,22 @@ DRAIN_POLL_SECONDS = 0.05
 _stop = threading.Event()
 _hostname: str | None = None
 _lease: DutyLease | None = None
+_backpressure: Backpressure | None = None
 
 
-def _heartbeat(hostname: str, slots: int) -> None:
+def _heartbeat(hostname: str, slots: int, backpressure: Backpressure) -> None:
     while not _stop.is_set():
         try:
             running, batch = active_leases.count()
-            worker_heartbeat(hostname=hostname, slots=slots, running=running, running_batch=batch)
+            worker_heartbeat(
+                hostname=hostname,
+                slots=backpressure.offered,
+                running=running,
+                running_batch=batch,
+                capacity=slots,
+                signal=backpressure.signal,
+                reason=backpressure.reason,
+            )
             stats.flush()
         except Exception:
             log.exception("worker heartbeat failed")
@@ -64,7 +75,7 @@ def _ticker(interval: float, lease: DutyLease) -> None:
 
 @worker_ready.connect
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
-    global _hostname, _lease
+    global _hostname, _lease, _backpressure
     hostname = getattr(sender, "hostname", None) or "worker"
     _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
@@ -76,7 +87,11 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
             hostname,
         )
     _stop.clear()
-    threading.Thread(target=_heartbeat, args=(hostname, slots), name="fairqueue-heartbeat", daemon=True).start()
+    _backpressure = Backpressure(consumer=sender, capacity=slots, running=lambda: active_leases.count()[0])
+    _backpressure.start()
+    threading.Thread(
+        target=_heartbeat, args=(hostname, slots, _backpressure), name="fairqueue-heartbeat", daemon=True
+    ).start()
     interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
     threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
@@ -113,6 +128,8 @@ def _drain(grace: float) -> None:
 @worker_shutdown.connect
 def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     _stop.set()
+    if _backpressure is not None:
+        _backpressure.stop()
     _deregister(getattr(sender, "hostname", None))
 
 

@@ -117,12 +117,91 @@
     }));
   }
 
+  // Capacity: slots live, slots desired and the forecast over the recorded hours, and the
+  // forecast ahead of now (dashed). Plain SVG, no library.
+  function fmtMinutes(s) { return s >= 3600 ? (s / 3600).toFixed(1) + " h" : Math.round(s / 60) + " min"; }
+  function svgEl(tag, attrs) {
+    var e = document.createElementNS(SVG, tag);
+    Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
+    return e;
+  }
+  function capacityChart(cap, nowTs) {
+    var W = 760, H = 220, L = 40, R = 34, T = 10, B = 24;
+    var hist = cap.history || [], ahead = cap.ahead || [];
+    var t0 = hist.length ? Math.min(hist[0][0], nowTs - 3600) : nowTs - 3600;
+    var t1 = ahead.length ? ahead[ahead.length - 1][0] : nowTs + 3600;
+    var ymax = 4;
+    hist.forEach(function (p) { ymax = Math.max(ymax, p[1], p[3], p[4]); });
+    ahead.forEach(function (p) { ymax = Math.max(ymax, p[1]); });
+    ymax = Math.max(ymax, cap.desired, cap.slots) * 1.1;
+    function x(t) { return (L + (t - t0) / (t1 - t0) * (W - L - R)).toFixed(1); }
+    function y(v) { return (T + (1 - v / ymax) * (H - T - B)).toFixed(1); }
+    var svg = svgEl("svg", { width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img" });
+    var grid = svgEl("g", { "class": "grid" });
+    var step = Math.max(1, Math.ceil(ymax / 5));
+    for (var v = 0; v <= ymax; v += step) {
+      grid.appendChild(svgEl("line", { x1: L, x2: W - R, y1: y(v), y2: y(v) }));
+      var label = svgEl("text", { x: L - 6, y: +y(v) + 4, "text-anchor": "end" });
+      label.textContent = v;
+      grid.appendChild(label);
+    }
+    for (var t = Math.ceil(t0 / 3600) * 3600; t <= t1; t += 3600) {
+      var tl = svgEl("text", { x: x(t), y: H - 6, "text-anchor": "middle" });
+      tl.textContent = new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+      grid.appendChild(tl);
+    }
+    svg.appendChild(grid);
+    svg.appendChild(svgEl("line", { "class": "now", x1: x(nowTs), x2: x(nowTs), y1: T, y2: H - B }));
+    function line(points, cls) {
+      if (points.length < 2) return;
+      svg.appendChild(svgEl("polyline", {
+        "class": cls, points: points.map(function (p) { return x(p[0]) + "," + y(p[1]); }).join(" ")
+      }));
+    }
+    var live = hist.map(function (p) { return [p[0], p[1]]; }).concat([[nowTs, cap.slots]]);
+    var desired = hist.map(function (p) { return [p[0], p[3]]; }).concat([[nowTs, cap.desired]]);
+    var forecast = hist.map(function (p) { return [p[0], p[4]]; }).concat([[nowTs, cap.forecast]]);
+    // Desired is drawn wide underneath: where it equals the forecast, both stay visible.
+    line(desired, "desired");
+    line(live, "live");
+    line(forecast, "forecast");
+    line([[nowTs, cap.forecast]].concat(ahead.map(function (p) { return [p[0], p[1]]; })), "ahead");
+    return svg;
+  }
+
+  function renderCapacity(snap) {
+    var cap = snap.capacity;
+    if (!cap) return;
+    setText("cap-slots", cap.slots);
+    setText("cap-needed", cap.needed_now);
+    setText("cap-forecast", cap.forecast);
+    setText("cap-desired", cap.desired);
+    setText("cap-warmup", fmtMinutes(cap.warmup_s));
+    document.getElementById("capacity-chart").replaceChildren(capacityChart(cap, snap.generated_ts));
+  }
+
+  function renderWorkers(snap) {
+    var body = document.querySelector("#workers tbody");
+    var rows = (snap.workers || []).map(function (w) {
+      var tr = el("tr", { "data-worker": w.hostname, "class": w.slots < w.capacity ? "pressured" : "" });
+      tr.appendChild(el("td", null, w.hostname));
+      tr.appendChild(el("td", { "class": "offered" }, w.slots));
+      tr.appendChild(el("td", { "class": "configured" }, w.capacity));
+      tr.appendChild(el("td", null, w.busy));
+      tr.appendChild(el("td", { "class": "reason" }, w.reason || "—"));
+      return tr;
+    });
+    body.replaceChildren.apply(body, rows);
+  }
+
   function render(snap) {
     setText("generated-at", new Date(snap.generated_ts * 1000).toLocaleTimeString());
     renderPool(snap.pool);
     renderGrid(snap);
     renderTenants(snap);
     renderRed(snap);
+    renderCapacity(snap);
+    renderWorkers(snap);
   }
 
   function setConnected(ok, text) {

@@ -1,0 +1,100 @@
+"""Rolling-deploy safety: a worker hands back a delivery it cannot run.
+
+During a rolling deploy old and new workers consume the same queues. A worker that gets a
+job whose task it does not know, or whose arguments its version of the task does not
+accept, gives the delivery back before claiming it: the job stays `queued` with its slot
+held, its dispatch lease is renewed, and the same delivery is published again for another
+worker. Nothing is counted against the job (no attempt, no worker loss). Each hand-back
+waits a little longer before publishing (BACKOFF_*), so a worker that keeps drawing the
+same job does not spin on it. Once the job has been handed back for longer than
+`FAIRQUEUE_HANDBACK_SECONDS` since the first time, it ends `failed` with
+`error_reason = "unknown_task"` and its slots are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.conf import settings
+from django.utils import timezone
+from pydantic import ValidationError
+
+from fairqueue.jobs import payloads, stats
+from fairqueue.jobs.admission import class_level
+from fairqueue.jobs.broker import delivery_publish, delivery_route
+from fairqueue.jobs.dispatch import job_release_or_defer
+from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
+from fairqueue.jobs.registry import task_get
+from fairqueue.jobs.runtime import engine, redis_client
+from tenants.policy import policy_snapshot
+
+log = logging.getLogger("fairqueue.jobs.handback")
+
+UNKNOWN_TASK = "unknown_task"
+BACKOFF_FIRST_SECONDS = 0.2
+BACKOFF_MAX_SECONDS = 5.0
+HANDBACK_KEY_PREFIX = "fq:handback:"  # HASH per job: first (unix s), count
+
+
+def handback_key(job_id: str) -> str:
+    return f"{HANDBACK_KEY_PREFIX}{job_id}"
+
+
+def refusal(job: Job) -> str | None:
+    """Why this worker cannot run the job (None when it can): an unknown task, or
+    arguments its version of the task does not accept."""
+    registered = task_get(job.task)
+    if registered is None:
+        return f"task {job.task!r} is not registered on this worker"
+    try:
+        registered.args_model.model_validate(payloads.payload_get(job.args_ref) if job.args_ref else job.args)
+    except ValidationError as exc:
+        return f"this worker's {job.task!r} does not accept the arguments: {exc.error_count()} error(s)"
+    return None
+
+
+def hand_back(job: Job, reason: str, *, worker: str) -> str:
+    """Give the delivery back (or fail it past the time limit); returns the outcome."""
+    limit = float(settings.FAIRQUEUE["HANDBACK_SECONDS"])
+    key = handback_key(str(job.id))
+    client = redis_client()
+    now = time.time()
+    pipe = client.pipeline(transaction=True)
+    pipe.hsetnx(key, "first", now)
+    pipe.hincrby(key, "count", 1)
+    pipe.hget(key, "first")
+    pipe.expire(key, int(2 * limit) + 60)
+    _, count, first, _ = pipe.execute()
+    if now - float(first) >= limit:
+        return _fail(job, reason, count=int(count), key=key)
+    renewed = engine().renew(
+        tag=job.engine_tag, job_id=job.engine_id, lease_seconds=float(settings.FAIRQUEUE["DISPATCH_LEASE_SECONDS"])
+    )
+    if not renewed:
+        return "lost"  # the hold was reclaimed: the job is (or will be) re-delivered anyway
+    # Wait before publishing, longer each time: the worker that drew the job is busy with
+    # this slot meanwhile, so another worker (one that knows the task) is likelier to take it.
+    time.sleep(min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (int(count) - 1)))
+    route = delivery_route(level=class_level(policy_snapshot(), job.latency_class), batch=job.in_batch_lane)
+    delivery_publish(job.engine_id, route)
+    stats.count("handed_back")
+    log.warning("worker %s handed job %s back (%s), %d time(s) so far", worker, job.id, reason, count)
+    return "handed_back"
+
+
+def _fail(job: Job, reason: str, *, count: int, key: str) -> str:
+    failed = Job.objects.filter(id=job.id, generation=job.generation, status__in=sorted(WAITING_STATUSES)).update(
+        status=JobStatus.FAILED,
+        error_reason=UNKNOWN_TASK,
+        error=f"No worker ran this job within {settings.FAIRQUEUE['HANDBACK_SECONDS']:g} s: handed back "
+        f"{count} time(s); the last worker said {reason}.",
+        finished_at=timezone.now(),
+    )
+    redis_client().delete(key)
+    if not failed:
+        return "skipped"  # cancelled or re-delivered meanwhile: that path owns the slots
+    stats.count("finished:failed")
+    job_release_or_defer(job)
+    log.warning("job %s failed as unknown_task after %d hand-back(s): %s", job.id, count, reason)
+    return "failed"
