@@ -14,6 +14,14 @@ ready only once every row is back: a Redis error half-way leaves it not ready, a
 next tick rebuilds it again. Until then ordinary admissions on it do nothing
 (`require_ready`): a newcomer cannot take a slot a still-running job holds.
 
+Foreign state. A tag can also look complete and still have lost writes: after a failover
+the promoted replica (replication is asynchronous) may lack the last admissions, parks and
+releases the old primary acknowledged, and a server restarted from a snapshot lacks
+everything since. The engine stamps each tag with the identity of the server that marked
+it ready (process and replication history) and reports a stamp that is not the current
+server's as FOREIGN; the tick then compares what the tag knows with the database (to count
+the writes it lost), deletes the tag's state and rebuilds it like a lost one.
+
 Pending. Jobs accepted while Redis was unreachable (or whose delivery could not be
 published) sit `queued` with no admission; each tick admits them once a few seconds old.
 
@@ -35,9 +43,11 @@ import redis
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from fairqueue.engine import TagHealth
+from fairqueue.jobs import stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
-from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
 
@@ -58,19 +68,25 @@ _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del'
 
 
 def state_ensure() -> list[str]:
-    """Rebuild every shard's engine tag that is not ready; returns the tags rebuilt."""
+    """Rebuild every shard's engine tag that is not ready (its state was lost) or foreign (it
+    may have lost writes: a failover, a restart from a snapshot); returns the tags rebuilt.
+    A tag whose server does not answer now is left for the next tick."""
     policy = policy_snapshot()  # also resyncs policy if Redis lost it
     tags = {shard_tag(name): name for name in policy.shards}
-    ready = engine().ready_tags(tags)
+    health = engine().tags_health(tags)
     rebuilt = []
     for tag, shard in tags.items():
-        if tag not in ready and tag_rebuild(tag=tag, shard=shard):
+        state = health.get(tag)
+        if state is None or state is TagHealth.READY:
+            continue
+        if tag_rebuild(tag=tag, shard=shard, foreign=state is TagHealth.FOREIGN):
             rebuilt.append(tag)
     return rebuilt
 
 
-def tag_rebuild(*, tag: str, shard: str) -> bool:
-    """Re-enter every unfinished job of one tag, then mark it ready; all or nothing.
+def tag_rebuild(*, tag: str, shard: str, foreign: bool = False) -> bool:
+    """Re-enter every unfinished job of one tag, then mark it ready; all or nothing. With
+    `foreign`, the tag's state is first counted against the database and thrown away.
     False if another process holds the tag's rebuild lock or the rebuild failed."""
     client = redis_client()
     lock, token = REBUILD_LOCK_PREFIX + tag, uuid.uuid4().hex
@@ -80,7 +96,14 @@ def tag_rebuild(*, tag: str, shard: str) -> bool:
     except redis.RedisError:
         log.warning("could not take the rebuild lock of %s; retried next tick", tag, exc_info=True)
         return False
+    lost: dict[str, int] = {}
     try:
+        if foreign:
+            # Another process may have rebuilt it while we waited for the lock.
+            if engine().tags_health([tag]).get(tag) is not TagHealth.FOREIGN:
+                return False
+            lost = writes_lost(tag=tag, shard=shard)
+            engine().reset_tag(tag=tag)
         counts = _rebuild(tag=tag, shard=shard)
         engine().init_tag(tag=tag)
     except Exception:
@@ -91,9 +114,53 @@ def tag_rebuild(*, tag: str, shard: str) -> bool:
             client.eval(_UNLOCK, 1, lock, token)
         except redis.RedisError:
             log.warning("could not release the rebuild lock of %s; it expires", tag, exc_info=True)
-    if any(counts.values()):
+    if foreign:
+        stats.count("foreign_rebuilds")
+        for kind, n in lost.items():
+            stats.count(f"writes_lost:{kind}", n)
+        log.warning(
+            "the engine state of %s came from another Redis server (a failover or a restart from a snapshot): "
+            "it lacked %s; rebuilt from the database: %s",
+            tag,
+            lost,
+            counts,
+        )
+    elif any(counts.values()):
         log.warning("Redis had lost the scheduling state of %s; rebuilt from the database: %s", tag, counts)
     return True
+
+
+def writes_lost(*, tag: str, shard: str) -> dict[str, int]:
+    """What a tag's state lacks against the database, by kind of write: `admissions` (jobs
+    the database says hold their slots: admitted or running), `parks` (parked jobs) and
+    `releases` (finished jobs the tag still knows). A count, not a repair: rows that change
+    while it runs can be miscounted by a few."""
+    known = engine().known_jobs(tag=tag)
+    placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
+    holding = Q(status=JobStatus.RUNNING) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
+    unfinished: dict[str, str] = {}
+    for job_id, generation, status in (
+        Job.objects.filter(placed_here)
+        .filter(holding | Q(status=JobStatus.PARKED))
+        .values_list("id", "generation", "status")
+        .iterator(chunk_size=CHUNK)
+    ):
+        unfinished[f"{job_id}.{generation}"] = status
+    lost = {"admissions": 0, "parks": 0, "releases": 0}
+    for engine_id, status in unfinished.items():
+        if engine_id not in known:
+            lost["parks" if status == JobStatus.PARKED else "admissions"] += 1
+    stale = known - unfinished.keys()
+    if stale:
+        ids = {e.rpartition(".")[0] for e in stale}
+        lost["releases"] = sum(
+            1
+            for job_id, generation in Job.objects.filter(id__in=ids, status__in=sorted(TERMINAL_STATUSES))
+            .values_list("id", "generation")
+            .iterator(chunk_size=CHUNK)
+            if f"{job_id}.{generation}" in stale
+        )
+    return lost
 
 
 def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
