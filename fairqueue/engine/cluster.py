@@ -28,12 +28,20 @@ from typing import Any
 
 import redis
 from redis._parsers import CommandsParser  # what RedisCluster.commands_parser is
+from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 
 #: A client the engine can use: one server, or a Redis Cluster.
 Client = redis.Redis | RedisCluster
 
 _FCALL = frozenset({"FCALL", "FCALL_RO"})
+
+#: How a cluster client retries a call that met a dead node or a slot without a primary:
+#: every retry first asks the cluster for its slot map again, and backing off 0.1, 0.2, 0.4,
+#: 0.8, 1, 1 s rides through a failover of up to about 3.5 s (a node timeout of 1-2 s plus
+#: the replica's election) before giving up. redis-py's default backs off up to 10 s.
+CLUSTER_RETRY = Retry(ExponentialBackoff(cap=1.0, base=0.1), retries=6)
 
 
 class _FcallKeys(CommandsParser):
@@ -73,7 +81,7 @@ def connect(url: str, **kwargs: Any) -> Client:
         probe.close()
     if not cluster:
         return redis.Redis.from_url(url, **kwargs)
-    return fcall_routing(RedisCluster.from_url(url, **kwargs))
+    return fcall_routing(RedisCluster.from_url(url, retry=CLUSTER_RETRY, **kwargs))
 
 
 def server_identity(info: dict[str, Any]) -> str:
