@@ -270,13 +270,12 @@ class Engine(_Base):
         ``require_ready`` admits store nothing on a tag that is not ready, which is what keeps
         a newcomer out of a tag whose state Redis lost until the caller has rebuilt it.
         The tag is also stamped with the identity of the server that holds it (see
-        ``tags_health``)."""
+        ``tags_health``), before it is marked: a ready tag always carries a stamp."""
 
         def mark(server: Any) -> bool:
             identity = server_identity(server.info(*IDENTITY_SECTIONS))
-            marked = self._run(ops.init_tag(self.prefix, tag=tag), server)
             server.hset(key_name(self.prefix, tag, "state"), STAMP_FIELD, identity)
-            return marked
+            return self._run(ops.init_tag(self.prefix, tag=tag), server)
 
         return self._on_server(tag, mark)
 
