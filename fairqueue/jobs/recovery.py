@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import redis
@@ -54,7 +54,9 @@ from tenants.policy import policy_snapshot
 log = logging.getLogger("fairqueue.recovery")
 
 REBUILD_LOCK_PREFIX = "fq:state:rebuild_lock:"  # + tag
-REBUILD_LOCK_SECONDS = 120
+# Extended after every chunk a rebuild re-enters, so a rebuilder that dies (a worker killed
+# mid-rebuild) keeps the tag from being rebuilt by another for this long at most.
+REBUILD_LOCK_SECONDS = 10
 CHUNK = 500
 PENDING_GRACE_SECONDS = 5.0
 RECONCILE_ROWS_PER_TICK = 20
@@ -65,6 +67,8 @@ RECONCILE_SUSPECTS_TTL_SECONDS = 60
 
 # Delete the lock only if it is still ours (it may have expired and been taken since).
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Extend the lock only if it is still ours.
+_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
 
 
 def state_ensure() -> list[str]:
@@ -104,7 +108,12 @@ def tag_rebuild(*, tag: str, shard: str, foreign: bool = False) -> bool:
                 return False
             lost = writes_lost(tag=tag, shard=shard)
             engine().reset_tag(tag=tag)
-        counts = _rebuild(tag=tag, shard=shard)
+
+        def keep_lock() -> None:
+            if not client.eval(_EXTEND, 1, lock, token, REBUILD_LOCK_SECONDS):
+                raise RuntimeError(f"lost the rebuild lock of {tag}")
+
+        counts = _rebuild(tag=tag, shard=shard, keep_lock=keep_lock)
         engine().init_tag(tag=tag)
     except Exception:
         log.exception("rebuild of %s failed; it stays not ready and is retried next tick", tag)
@@ -175,13 +184,14 @@ def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
         yield chunk
 
 
-def _rebuild(*, tag: str, shard: str) -> dict[str, int]:
+def _rebuild(*, tag: str, shard: str, keep_lock: Callable[[], None]) -> dict[str, int]:
     policy = policy_snapshot()
     placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
     running = 0
     for chunk in _chunks(Job.objects.filter(placed_here, status=JobStatus.RUNNING)):
         jobs_admit(chunk, policy=policy, dispatch=False, running=True, rebuilding=True, strict=True)
         running += len(chunk)
+        keep_lock()
     # Waiting jobs of this shard's tenants still placed where the engine lost its state too
     # (a place they were moved away from) come back here, where their tenant is now.
     waiting_on_shard = Job.objects.filter(tenant__shard__name=shard, status__in=[JobStatus.QUEUED, JobStatus.PARKED])
@@ -194,6 +204,7 @@ def _rebuild(*, tag: str, shard: str) -> dict[str, int]:
                 job.engine_tag, job.engine_keys = "", ""  # jobs_admit stores the current place
         jobs_admit(chunk, policy=policy, rebuilding=True, strict=True)
         waiting += len(chunk)
+        keep_lock()
     return {"running": running, "waiting": waiting}
 
 
