@@ -67,6 +67,10 @@ def _collect(pending: list[int], results: list[Any], raws: list[Any], *, last: b
     return missing
 
 
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _is_redirect(error: ResponseError) -> bool:
     """A cluster node says another one now holds the slot (after a failover or a reshard)."""
     return str(error).startswith(("MOVED", "ASK"))
@@ -308,12 +312,15 @@ class Engine(_Base):
                 self.client.nodes_manager.initialize()
         return health
 
-    def known_jobs(self, *, tag: str) -> set[str]:
-        """Every job the tag knows (holding or parked). O(state), read in batches: for
-        audits and recovery, never a hot path."""
-        state = key_name(self.prefix, tag, "state")
+    def known_jobs(self, *, tag: str) -> dict[str, str]:
+        """Every job the tag knows: job id -> "admitted" (holding all its keys, with a lease)
+        or "parked". O(state), read in batches: for audits and recovery, never a hot path."""
+        state, leases = key_name(self.prefix, tag, "state"), key_name(self.prefix, tag, "leases")
         fields = (f for f, _ in self.client.hscan_iter(state, match=f"{SPEC_PREFIX}*", count=1000))
-        return {(f.decode() if isinstance(f, bytes) else f)[1:] for f in fields}
+        known = dict.fromkeys((_text(f)[1:] for f in fields), "parked")
+        for job, _ in self.client.zscan_iter(leases, count=1000):
+            known[_text(job)] = "admitted"
+        return known
 
     def reset_tag(self, *, tag: str) -> int:
         """Delete all of a tag's state (before rebuilding a FOREIGN tag from the source of

@@ -141,9 +141,12 @@ def tag_rebuild(*, tag: str, shard: str, foreign: bool = False) -> bool:
 
 def writes_lost(*, tag: str, shard: str) -> dict[str, int]:
     """What a tag's state lacks against the database, by kind of write: `admissions` (jobs
-    the database says hold their slots: admitted or running), `parks` (parked jobs) and
-    `releases` (finished jobs the tag still knows). A count, not a repair: rows that change
-    while it runs can be miscounted by a few."""
+    the database says hold their slots, admitted or running, that the tag does not hold:
+    unknown, or still parked where a lost handoff had woken them), `parks` (parked jobs the
+    tag does not know) and `releases` (finished jobs the tag still knows, but for releases
+    that could not be made and wait for the reconciler). A job admitted and
+    finished within the lost writes leaves no trace in either and is not counted. A count,
+    not a repair: rows that change while it runs can be miscounted by a few."""
     known = engine().known_jobs(tag=tag)
     placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
     holding = Q(status=JobStatus.RUNNING) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
@@ -157,14 +160,19 @@ def writes_lost(*, tag: str, shard: str) -> dict[str, int]:
         unfinished[f"{job_id}.{generation}"] = status
     lost = {"admissions": 0, "parks": 0, "releases": 0}
     for engine_id, status in unfinished.items():
-        if engine_id not in known:
-            lost["parks" if status == JobStatus.PARKED else "admissions"] += 1
-    stale = known - unfinished.keys()
+        if status == JobStatus.PARKED:
+            lost["parks"] += engine_id not in known
+        else:
+            lost["admissions"] += known.get(engine_id) != "admitted"
+    stale = known.keys() - unfinished.keys()
     if stale:
         ids = {e.rpartition(".")[0] for e in stale}
         lost["releases"] = sum(
             1
-            for job_id, generation in Job.objects.filter(id__in=ids, status__in=sorted(TERMINAL_STATUSES))
+            # A release still pending was never made, so it was not lost.
+            for job_id, generation in Job.objects.filter(
+                id__in=ids, status__in=sorted(TERMINAL_STATUSES), release_pending=False
+            )
             .values_list("id", "generation")
             .iterator(chunk_size=CHUNK)
             if f"{job_id}.{generation}" in stale
