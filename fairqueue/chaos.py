@@ -497,8 +497,9 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
 
 def _holders(state: dict[str, str]) -> int:
     """Holders across all keys of a tag: the `state` fields that are key names (limits are
-    `\0key` fields, meta fields `\1…`, job specs `\2job`, limits records `\3job`)."""
-    return sum(int(v) for k, v in state.items() if k[:1] not in ("\0", "\1", "\2", "\3"))
+    `\0key` fields, meta fields `\1…`, job specs `\2job`, limits records `\3job`, fair-order
+    flow records `\4…` and `\5…`)."""
+    return sum(int(v) for k, v in state.items() if k[:1] not in ("\0", "\1", "\2", "\3", "\4", "\5"))
 
 
 def engine_leftovers(engine_url: str) -> dict[str, Any]:

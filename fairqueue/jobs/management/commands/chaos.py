@@ -35,6 +35,11 @@ class Command(BaseCommand):
         parser.add_argument("--slots", type=int, help="slots (threads) per worker")
         parser.add_argument("--rate", dest="requests_per_second", type=float, help="HTTP requests per second")
         parser.add_argument(
+            "--quiet-timeout", type=float, help="how long to wait for every job to finish after the load (s)"
+        )
+        parser.add_argument("--min-seconds", type=float, help="shortest job (default 0.05)")
+        parser.add_argument("--max-seconds", type=float, help="longest job (default 0.5)")
+        parser.add_argument(
             "--cluster",
             action="store_true",
             help="the engine on a Redis Cluster the run starts (3 primaries + 3 replicas): a failover and a "
@@ -60,6 +65,9 @@ class Command(BaseCommand):
             workers=options["workers"],
             slots=options["slots"],
             requests_per_second=options["requests_per_second"],
+            quiet_timeout=options["quiet_timeout"],
+            min_seconds=options["min_seconds"],
+            max_seconds=options["max_seconds"],
             cluster=options["cluster"] or None,
             cluster_ports=options["cluster_ports"],
             replication_cut_ms=options["replication_cut_ms"],
