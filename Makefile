@@ -8,7 +8,7 @@ export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
-.PHONY: demo test lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
+.PHONY: demo test test-distributed lint typecheck venv redis migrate clean bench-engine bench-noisy chaos chaos-cluster
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -38,7 +38,13 @@ typecheck: venv
 	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard
 
 test: venv redis lint typecheck
-	$(PY) manage.py test --noinput $(TESTS)
+	$(PY) manage.py test --noinput --exclude-tag distributed $(TESTS)
+
+# The tests that start a Redis Cluster of their own (3 primaries + 3 replicas on free local
+# ports; FAIRQUEUE_TEST_CLUSTER_PORTS / FAIRQUEUE_CHAOS_CLUSTER_PORTS fix them), with the
+# cluster chaos run: a few minutes, so apart from `make test`.
+test-distributed: venv redis
+	$(PY) manage.py test --noinput --tag distributed $(TESTS)
 
 demo: venv redis .env migrate
 	@scripts/demo.sh $(DEMO_PORT)
@@ -51,6 +57,9 @@ bench-noisy: venv redis .env migrate
 
 chaos: venv redis .env migrate
 	$(PY) manage.py chaos --json var/chaos.json
+
+chaos-cluster: venv redis .env migrate
+	$(PY) manage.py chaos --cluster --json var/chaos-cluster.json
 
 clean:
 	rm -rf $(VENV) var test_db.sqlite3*
