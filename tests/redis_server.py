@@ -16,7 +16,10 @@ class RedisServer:
     """redis-server on a free local port, keeping nothing on disk; stop() and start()
     again is an outage after which it comes back empty, as a restarted Redis does."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, data_dir: str | None = None) -> None:
+        """With `data_dir`, a SAVE writes a snapshot there and a restart loads it (as a
+        server with persistence does), instead of coming back empty."""
+        self.data_dir = data_dir
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (.ci/run installs it)")
@@ -35,6 +38,8 @@ class RedisServer:
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.data_dir:
+            argv += ["--dir", self.data_dir]
         self.proc = subprocess.Popen(
             argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )

@@ -80,7 +80,7 @@ def _health(raw: Any, identity: str) -> TagHealth:
     ready, stamp = raw
     if not ready:
         return TagHealth.NOT_READY
-    return TagHealth.READY if stamp == identity else TagHealth.FOREIGN
+    return TagHealth.READY if stamp is not None and _text(stamp) == identity else TagHealth.FOREIGN
 
 
 class _Base:
