@@ -8,7 +8,7 @@ export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
-.PHONY: demo test test-distributed lint typecheck venv redis migrate clean bench-engine bench-noisy chaos
+.PHONY: demo test test-distributed lint typecheck venv redis migrate clean bench-engine bench-noisy chaos chaos-cluster
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -39,11 +39,14 @@ typecheck: venv
 
 TESTS ?= tests
 test: venv redis lint typecheck
-	$(PY) manage.py test --noinput $(TESTS)
+	$(PY) manage.py test --noinput --exclude-tag distributed $(TESTS)
 
-# Several hosts in network namespaces (needs root and iproute2); .ci/run runs it too.
+# The tests that start a Redis Cluster of their own (3 primaries + 3 replicas on free local
+# ports; FAIRQUEUE_TEST_CLUSTER_PORTS / FAIRQUEUE_CHAOS_CLUSTER_PORTS fix them), with the
+# cluster chaos run, and several hosts in network namespaces (root and iproute2): a few
+# minutes, so apart from `make test`; .ci/run runs both.
 test-distributed: venv redis
-	$(PY) manage.py test --noinput distributed_tests
+	$(PY) manage.py test --noinput --tag distributed $(TESTS)
 
 demo: venv redis .env migrate
 	@scripts/demo.sh $(DEMO_PORT)
@@ -56,6 +59,9 @@ bench-noisy: venv redis .env migrate
 
 chaos: venv redis .env migrate
 	$(PY) manage.py chaos --json var/chaos.json
+
+chaos-cluster: venv redis .env migrate
+	$(PY) manage.py chaos --cluster --json var/chaos-cluster.json
 
 clean:
 	rm -rf $(VENV) var test_db.sqlite3*

@@ -13,13 +13,29 @@ Faults injected:
   nothing on disk for it, so an empty database is exactly what a restart leaves (scheduling
   state, policies, broker queues, worker registry: all gone).
 
+With `cluster=True` (`--cluster`) the engine's state lives on a Redis Cluster the run
+starts (3 primaries + 3 replicas, fairqueue.bench.cluster) while broker, channel layer and
+cache stay on the run's Redis database, and the Redis faults are the cluster's:
+- a failover mid-run: the replica of the primary holding the run's shard is cut off from it
+  (`replication_cut_ms` before the kill, so the writes the primary acknowledges meanwhile
+  are lost for sure, as asynchronous replication can lose them), then the primary is
+  SIGKILLed and its replica promoted; the killed node restarts and rejoins as a replica;
+- later, that shard's primary loses all its data (FLUSHALL and FUNCTION FLUSH, which its
+  replica follows): what a primary restarting empty leaves.
+The run watches the shard's engine tag throughout and reports the failover's timeline (kill,
+promotion, the tag found foreign, rebuilt), the writes the promoted replica had lost
+(counted by the rebuild against the database) and the over-limit events inside and outside
+the failover window, where lost admissions can let a slot be given twice.
+
 Checks once the system is quiet (every accepted job terminal, or a timeout):
 - accepted == succeeded, lost == 0 (accepted but not terminal, or missing);
 - duplicated == 0: no demo ledger row written more than once, and every succeeded job wrote one;
 - over_limit_events == 0: sweeping the started/finished times the demo task records for the
   final run of each succeeded job, no tenant (hard max), registered sub-tenant or shard ran
   above its limit at any moment. A run killed with its worker leaves no times, so only
-  runs that finished count; they are a subset of the hold intervals the engine granted;
+  runs that finished count; they are a subset of the hold intervals the engine granted.
+  With a cluster, only outside the failover window (from the replication cut until the tag
+  is rebuilt and every job admitted before then has finished); inside it they are reported;
 - leaked_holds == 0: no holder, waiter or job spec left in any engine tag, and the engine's
   own invariant check is clean.
 """
@@ -47,16 +63,19 @@ from typing import Any
 
 import redis
 
+from fairqueue.bench.cluster import LocalCluster, Node, free_cluster_ports
 from fairqueue.bench.stack import (
     ROOT,
     StackError,
     WebServer,
+    engine_url_of,
     fresh_database,
     redis_db_prepare,
     stack_env,
     worker_argv,
 )
-from fairqueue.engine import Engine
+from fairqueue.engine import Engine, TagHealth
+from fairqueue.engine.cluster import connect
 from fairqueue.engine.keys import LAYOUT
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/6"
@@ -64,8 +83,16 @@ CHAOS_DIR = ROOT / "var" / "chaos"
 ENGINE_PREFIX = "fq"
 SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY
 BUSY_KEY = "fq:workers:busy"  # fairqueue.jobs.worker.BUSY_KEY
+STATS_KEY = "fq:stats"  # fairqueue.jobs.stats.STATS_KEY
 TERMINAL = ("succeeded", "failed", "cancelled")
 SHARD = "chaos"
+TAG = f"s:{SHARD}"  # fairqueue.jobs.admission.shard_tag(SHARD)
+# With the engine on a cluster, a failover (node timeout plus election, about 3.5 s here)
+# must fit in a running lease: workers cannot renew while the shard has no primary, and a
+# lease that runs out meanwhile is reclaimed and its job run again. The default lease (30 s)
+# does; the quick run's 2 s would not.
+CLUSTER_LEASE_SECONDS = 10.0
+HEALTH_POLL_SECONDS = 0.05
 
 Log = Callable[[str], None]
 
@@ -116,10 +143,17 @@ class ChaosConfig:
     quiet_timeout: float = 180.0
     min_seconds: float = 0.05
     max_seconds: float = 0.5
+    cluster: bool = False
+    cluster_ports: list[int] | None = None  # free ports when not given
+    replication_cut_ms: float = 500.0
 
     @classmethod
     def make(cls, *, quick: bool, **overrides: Any) -> ChaosConfig:
         base = cls(quick=True, load_seconds=14.0, kills=2, quiet_timeout=60.0) if quick else cls()
+        if overrides.get("cluster"):
+            base.lease_seconds = CLUSTER_LEASE_SECONDS
+            if quick:
+                base.load_seconds = 20.0  # room for a failover and a data loss
         for name, value in overrides.items():
             if value is not None:
                 setattr(base, name, value)
@@ -137,11 +171,11 @@ class ChaosConfig:
 class WorkerPool:
     """The run's `manage.py worker` processes; kill one with SIGKILL, start replacements."""
 
-    def __init__(self, *, slots: int, env: dict[str, str], log_dir: Path, redis_url: str) -> None:
+    def __init__(self, *, slots: int, env: dict[str, str], log_dir: Path) -> None:
         self.slots = slots
         self.env = env
         self.log_dir = log_dir
-        self.client = redis.Redis.from_url(redis_url, decode_responses=True)
+        self.client = connect(engine_url_of(env), decode_responses=True)  # the worker registry
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._n = 0
         self._lock = threading.Lock()
@@ -383,12 +417,19 @@ def over_limit(intervals: list[tuple[float, float]], limit: int) -> tuple[int, i
     """(moments the concurrency rose above `limit`, peak concurrency) over these intervals.
 
     A run that finishes at the instant another starts does not overlap it."""
+    moments, peak = over_limit_moments(intervals, limit)
+    return len(moments), peak
+
+
+def over_limit_moments(intervals: list[tuple[float, float]], limit: int) -> tuple[list[float], int]:
+    """(when the concurrency rose above `limit`, peak concurrency) over these intervals."""
     events = sorted([(s, 1) for s, _ in intervals] + [(f, -1) for _, f in intervals])
-    level = peak = moments = 0
-    for _, delta in events:
+    level = peak = 0
+    moments = []
+    for at, delta in events:
         level += delta
         if delta > 0 and level == limit + 1:
-            moments += 1
+            moments.append(at)
         peak = max(peak, level)
     return moments, peak
 
@@ -432,13 +473,18 @@ def concurrency_report(db_path: Path) -> dict[str, Any]:
         for scope in scopes:
             groups.setdefault(scope, []).append(interval)
     scopes_out: dict[str, Any] = {}
-    total = 0
+    moments_at: list[float] = []
     for scope, intervals in sorted(groups.items()):
         limit = limits[scope]
-        moments, peak = over_limit(intervals, limit if limit is not None else 10**9)
-        total += moments
-        scopes_out[f"{scope[0]}:{scope[1]}"] = {"limit": limit, "peak": peak, "over_limit_events": moments}
-    return {"over_limit_events": total, "scopes": scopes_out, "succeeded_without_times": missing_times}
+        moments, peak = over_limit_moments(intervals, limit if limit is not None else 10**9)
+        moments_at += moments
+        scopes_out[f"{scope[0]}:{scope[1]}"] = {"limit": limit, "peak": peak, "over_limit_events": len(moments)}
+    return {
+        "over_limit_events": len(moments_at),
+        "over_limit_at": sorted(moments_at),
+        "scopes": scopes_out,
+        "succeeded_without_times": missing_times,
+    }
 
 
 def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
@@ -451,13 +497,15 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
 
 def _holders(state: dict[str, str]) -> int:
     """Holders across all keys of a tag: the `state` fields that are key names (limits are
-    `\0key` fields, meta fields `\1…`, job specs `\2job`, limits records `\3job`)."""
-    return sum(int(v) for k, v in state.items() if k[:1] not in ("\0", "\1", "\2", "\3"))
+    `\0key` fields, meta fields `\1…`, job specs `\2job`, limits records `\3job`, fair-order
+    flow records `\4…` and `\5…`)."""
+    return sum(int(v) for k, v in state.items() if k[:1] not in ("\0", "\1", "\2", "\3", "\4", "\5"))
 
 
-def engine_leftovers(redis_url: str) -> dict[str, Any]:
-    """Everything the engine still holds, per tag, plus its own invariant check."""
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+def engine_leftovers(engine_url: str) -> dict[str, Any]:
+    """Everything the engine still holds, per tag, plus its own invariant check (a SCAN,
+    which a cluster client runs on every primary)."""
+    client = connect(engine_url, decode_responses=True)
     eng = Engine(client, prefix=ENGINE_PREFIX)
     out: dict[str, Any] = {}
     # Every tag that has any engine key: a tag without job specs may still hold counts or
@@ -486,15 +534,133 @@ def leaked_count(leftovers: dict[str, Any]) -> int:
     return sum(t["job_specs"] + t["holds"] + t["waiters"] + len(t["problems"]) for t in leftovers.values())
 
 
-def wait_engine_drained(redis_url: str, *, timeout: float) -> tuple[dict[str, Any], float]:
+def wait_engine_drained(engine_url: str, *, timeout: float) -> tuple[dict[str, Any], float]:
     """Releases land just after the job row turns terminal, and a killed run's hold goes with
     its lease: give the engine up to `timeout` to settle, then report what is left."""
     started = time.monotonic()
     while True:
-        leftovers = engine_leftovers(redis_url)
+        leftovers = engine_leftovers(engine_url)
         if not leaked_count(leftovers) or time.monotonic() - started > timeout:
             return leftovers, time.monotonic() - started
         time.sleep(0.25)
+
+
+# --- cluster faults ------------------------------------------------------------------------------------
+
+
+class TagWatch:
+    """Polls the health of the run's engine tag from this process and keeps its changes
+    (`TagHealth` values, or "unreachable"), with wall-clock times."""
+
+    def __init__(self, engine_url: str) -> None:
+        self.engine = Engine(connect(engine_url, decode_responses=True), prefix=ENGINE_PREFIX)
+        self.changes: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-tag-watch", daemon=True)
+
+    def start(self) -> TagWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                state = str(self.engine.tags_health([TAG]).get(TAG, "unreachable"))
+            except redis.RedisError:
+                state = "unreachable"
+            if not self.changes or self.changes[-1][1] != state:
+                self.changes.append((time.time(), state))
+            self._stop.wait(HEALTH_POLL_SECONDS)
+
+    def first(self, state: str, *, after: float) -> float | None:
+        return next((at for at, s in self.changes if at >= after and s == state), None)
+
+
+def failover(cluster: LocalCluster, *, cut_ms: float) -> dict[str, Any]:
+    """Lose the primary of the run's shard: cut its replica off `cut_ms` before a SIGKILL
+    (the writes acknowledged meanwhile are lost), wait for the replica's promotion, then
+    start the killed node again (it rejoins as a replica)."""
+    primary = cluster.primary_of("{" + TAG + "}")
+    replica = cluster.replicas_of(primary)[0]
+    cut_at = time.time()
+    if cut_ms > 0:
+        # The replica authenticates on reconnecting and the primary has no password: it
+        # stays cut off until the primary is gone.
+        cluster.client(replica.port).config_set("masterauth", "chaos-replication-cut")
+        cluster.client(primary.port).client_kill_filter(_type="replica")
+        time.sleep(cut_ms / 1000)
+    killed_at = time.time()
+    cluster.kill(primary.port)
+    promoted, waited = cluster.wait_failover(primary)
+    cluster.client(promoted.port).config_set("masterauth", "")
+    cluster.restart(primary.port)
+    return {
+        "cut_at": cut_at,
+        "killed_at": killed_at,
+        "promoted_at": killed_at + waited,
+        "promotion_s": round(waited, 2),
+        "killed_port": primary.port,
+        "promoted_port": promoted.port,
+    }
+
+
+def primary_data_loss(cluster: LocalCluster) -> dict[str, Any]:
+    """The primary of the run's shard loses everything (a restart without persistence,
+    which its replica then copies): FLUSHALL and FUNCTION FLUSH."""
+    primary: Node = cluster.primary_of("{" + TAG + "}")
+    client = cluster.client(primary.port)
+    size = int(client.dbsize())
+    client.flushall()
+    client.function_flush()
+    return {"at": time.time(), "port": primary.port, "keys_lost": size}
+
+
+def failover_report(
+    watch: TagWatch, faults: dict[str, Any], concurrency: dict[str, Any], stats: dict[str, str], config: ChaosConfig
+) -> dict[str, Any]:
+    """The failover's timeline and costs, and the over-limit events inside and outside its window."""
+    out: dict[str, Any] = {
+        "writes_lost": {
+            kind: int(float(stats.get(f"writes_lost:{kind}", 0))) for kind in ("admissions", "parks", "releases")
+        },
+        "foreign_rebuilds": int(float(stats.get("foreign_rebuilds", 0))),
+        "tag_changes": [(round(at, 3), state) for at, state in watch.changes],
+    }
+    fo = faults.get("failover")
+    window: tuple[float, float] | None = None
+    if fo:
+        rebuilt = watch.first(str(TagHealth.READY), after=fo["promoted_at"])
+        out["failover"] = {
+            "replication_cut_ms": config.replication_cut_ms,
+            "promotion_s": fo["promotion_s"],  # SIGKILL -> the replica serves the slots
+            "foreign_seen_s": _since(watch.first(str(TagHealth.FOREIGN), after=fo["killed_at"]), fo["killed_at"]),
+            "trusted_again_s": _since(rebuilt, fo["killed_at"]),  # SIGKILL -> the tag rebuilt and ready
+            "rebuilt_after_promotion_s": _since(rebuilt, fo["promoted_at"]),
+        }
+        # Lost admissions can let a slot be given twice from the cut until the rebuild, and
+        # jobs started then run for up to max_seconds after it.
+        end = (rebuilt or time.time()) + config.max_seconds + 1.0
+        window = (fo["cut_at"], end)
+    loss = faults.get("data_loss")
+    if loss:
+        out["data_loss"] = {
+            "keys_lost": loss["keys_lost"],
+            "rebuilt_s": _since(watch.first(str(TagHealth.READY), after=loss["at"]), loss["at"]),
+        }
+    inside = [at for at in concurrency["over_limit_at"] if window and window[0] <= at <= window[1]]
+    out["over_limit_events_in_failover_window"] = len(inside)
+    out["over_limit_events_elsewhere"] = concurrency["over_limit_events"] - len(inside)
+    if window:
+        out["failover_window_s"] = round(window[1] - window[0], 2)
+    return out
+
+
+def _since(at: float | None, start: float) -> float | None:
+    return None if at is None else round(at - start, 3)
 
 
 # --- the run ------------------------------------------------------------------------------------------
@@ -505,7 +671,7 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
     rng = random.Random(seed)
     t0 = time.monotonic()
     redis_db_prepare(config.redis_url, force=config.force)
-    run_dir = CHAOS_DIR / ("quick" if config.quick else "full")
+    run_dir = CHAOS_DIR / (("quick" if config.quick else "full") + ("-cluster" if config.cluster else ""))
     db_path = run_dir / "chaos.sqlite3"
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -520,22 +686,30 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         FAIRQUEUE_PAYLOAD_DIR=str(run_dir / "payloads"),
         FAIRQUEUE_LOG_LEVEL="WARNING",
     )
+    redis_faults = "a failover and a primary's data loss on the engine's cluster" if config.cluster else "1 Redis flush"
     log(
         f"chaos ({'quick' if config.quick else 'full'}, seed {seed}): {config.workers} workers x {config.slots} slots, "
-        f"{config.load_seconds:.0f}s of load, {config.kills} SIGKILLs, 1 Redis flush; lease "
+        f"{config.load_seconds:.0f}s of load, {config.kills} SIGKILLs, {redis_faults}; lease "
         f"{config.lease_seconds}s, poison-pill limit {config.poison_limit}"
     )
-    log(f"  stack: {db_path} + {config.redis_url}; logs in {log_dir}")
     web: WebServer | None = None
     workers: WorkerPool | None = None
     load: Load | None = None
+    cluster: LocalCluster | None = None
+    watch: TagWatch | None = None
     kills: list[dict[str, Any]] = []
     flushes: list[dict[str, Any]] = []
+    faults: dict[str, Any] = {}
     try:
+        if config.cluster:
+            cluster = LocalCluster(config.cluster_ports or free_cluster_ports(), log_dir=log_dir).start()
+            env["FAIRQUEUE_ENGINE_URL"] = cluster.url  # broker, channels and cache stay on the run's Redis
+        engine_url = engine_url_of(env)
+        log(f"  stack: {db_path} + {config.redis_url}, engine on {engine_url}; logs in {log_dir}")
         fresh_database(db_path, env)
         keys = tenants_create(env)
         web = WebServer(env=env, log_dir=log_dir)
-        workers = WorkerPool(slots=config.slots, env=env, log_dir=log_dir, redis_url=config.redis_url)
+        workers = WorkerPool(slots=config.slots, env=env, log_dir=log_dir)
         first = [workers.spawn() for _ in range(config.workers)]
         web.start(timeout=60)
         workers.wait_registered(first)
@@ -553,7 +727,12 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         else:
             kill_at = sorted(rng.uniform(0.05 * span, 0.9 * span) for _ in range(config.kills))
         flush_at = span * (rng.uniform(0.45, 0.55))
-        plan = sorted([(t, "kill") for t in kill_at] + [(flush_at, "flush")])
+        if cluster is not None:
+            watch = TagWatch(engine_url).start()
+            redis_plan = [(span * rng.uniform(0.3, 0.4), "failover"), (span * rng.uniform(0.7, 0.8), "data_loss")]
+        else:
+            redis_plan = [(flush_at, "flush")]
+        plan = sorted([(t, "kill") for t in kill_at] + redis_plan)
         chaos_client = redis.Redis.from_url(config.redis_url)
         for at, what in plan:
             delay = load_started + at - time.monotonic()
@@ -567,6 +746,16 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
                 replacement = workers.spawn()
                 kills.append({"at_s": round(elapsed, 2), "worker": killed[0], "busy": killed[1]})
                 log(f"  t+{elapsed:5.1f}s SIGKILL {killed[0]} ({killed[1]} job(s) running); started {replacement}")
+            elif what == "failover" and cluster is not None:
+                fo = faults["failover"] = failover(cluster, cut_ms=config.replication_cut_ms)
+                log(
+                    f"  t+{elapsed:5.1f}s failover: replica of {fo['killed_port']} cut off, "
+                    f"{config.replication_cut_ms:.0f} ms later SIGKILL; {fo['promoted_port']} promoted after "
+                    f"{fo['promotion_s']}s; {fo['killed_port']} restarted as a replica"
+                )
+            elif what == "data_loss" and cluster is not None:
+                loss = faults["data_loss"] = primary_data_loss(cluster)
+                log(f"  t+{elapsed:5.1f}s primary {loss['port']} lost its data ({loss['keys_lost']} keys)")
             else:
                 keys_before = chaos_client.dbsize()
                 chaos_client.flushdb()
@@ -580,7 +769,9 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
 
         quiet, quiet_s = wait_quiet(db_path, load.accepted, timeout=config.quiet_timeout, log=log)
         log(f"  {'quiet' if quiet else 'NOT quiet (timeout)'} after {quiet_s:.1f}s")
-        leftovers, settle_s = wait_engine_drained(config.redis_url, timeout=config.lease_seconds * 3 + 3)
+        leftovers, settle_s = wait_engine_drained(engine_url, timeout=config.lease_seconds * 3 + 3)
+        if watch is not None:
+            watch.stop()
 
         statuses = job_statuses(db_path)
         accepted = set(load.accepted)
@@ -611,13 +802,21 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             "redelivered_after_worker_loss": redelivered,
             "duration_s": round(time.monotonic() - t0, 1),
         }
+        limits_held = report["over_limit_events"] == 0
+        if watch is not None:
+            raw_stats = connect(engine_url, decode_responses=True).hgetall(STATS_KEY)
+            engine_stats = {str(k): str(v) for k, v in raw_stats.items()}
+            report["cluster"] = failover_report(watch, faults, concurrency, engine_stats, config)
+            report["failovers"] = int("failover" in faults)
+            report["primary_data_losses"] = int("data_loss" in faults)
+            limits_held = report["cluster"]["over_limit_events_elsewhere"] == 0 and len(faults) == 2
         report["ok"] = bool(
             report["accepted"] > 0
             and report["succeeded"] == report["accepted"]
             and report["lost"] == 0
             and report["duplicated"] == 0
             and report["missing_side_effects"] == 0
-            and report["over_limit_events"] == 0
+            and limits_held
             and report["leaked_holds"] == 0
             and not stray
             and load.counts["idempotency_mismatch"] == 0
@@ -625,8 +824,12 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         report["details"] = {
             "seed": seed,
             "config": asdict(config) | {"poison_limit": config.poison_limit},
-            "redis_restart_method": "FLUSHDB of the run's Redis database (it keeps nothing on disk, "
-            "so an empty database is what a restart leaves)",
+            "redis_restart_method": (
+                "on the engine's cluster: a failover (replica cut off, primary SIGKILLed) and a primary's FLUSHALL"
+                if cluster is not None
+                else "FLUSHDB of the run's Redis database (it keeps nothing on disk, "
+                "so an empty database is what a restart leaves)"
+            ),
             "kills": kills,
             "flushes": flushes,
             "http": dict(sorted(load.counts.items())),
@@ -649,10 +852,14 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
     finally:
         if load is not None:
             load.stop()
+        if watch is not None:
+            watch.stop()
         if workers is not None:
             workers.stop_all()
         if web is not None:
             web.stop()
+        if cluster is not None:
+            cluster.stop()
         with contextlib.suppress(redis.RedisError):
             redis.Redis.from_url(config.redis_url).flushdb()
 
@@ -689,6 +896,19 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  engine leftovers: {d['engine_leftovers']}")
     if d["http_errors"]:
         lines.append(f"  first HTTP errors: {d['http_errors'][:3]}")
+    cluster = report.get("cluster")
+    if cluster:
+        fo = cluster.get("failover", {})
+        lines.append(
+            f"  failover: promoted {fo.get('promotion_s')}s after the SIGKILL, tag trusted again after "
+            f"{fo.get('trusted_again_s')}s ({fo.get('rebuilt_after_promotion_s')}s after the promotion); "
+            f"writes lost {cluster['writes_lost']} with a {fo.get('replication_cut_ms')} ms replication cut"
+        )
+        lines.append(
+            f"  over-limit events: {cluster['over_limit_events_in_failover_window']} in the failover window "
+            f"({cluster.get('failover_window_s')}s), {cluster['over_limit_events_elsewhere']} elsewhere; "
+            f"data loss rebuilt after {cluster.get('data_loss', {}).get('rebuilt_s')}s"
+        )
     return lines
 
 

@@ -113,29 +113,42 @@ else:
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Redis ----------------------------------------------------------------------------
-# Tests get their own Redis database and refuse to run on a non-empty one (tests/base.py).
+# REDIS_URL serves every role unless a role has its own URL: engine state (which may be a
+# Redis Cluster), the Celery broker, the channel layer and the cache (README, "Running in
+# production"). Tests use their own Redis database for every role and refuse to run on a
+# non-empty one (tests/base.py); they ignore the roles' variables, so a test run can never
+# touch a deployment's servers (a test that wants roles apart sets them itself).
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 if RUNNING_TESTS:
     REDIS_URL = env.str("FAIRQUEUE_TEST_REDIS_URL", default="redis://127.0.0.1:6379/15")
 
-CACHES = {
-    "default": {
-        "BACKEND": "django_redis.cache.RedisCache",
-        "LOCATION": REDIS_URL,
-        "KEY_PREFIX": "fq:cache",
-        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
-    }
-}
+
+def _role_url(variable: str) -> str:
+    """A role's URL (CELERY_BROKER_URL in the Celery section uses it too)."""
+    return REDIS_URL if RUNNING_TESTS else env.str(variable, default=REDIS_URL)
+
+
+# The engine's state and the jobs side's fleet-wide keys (worker registry, stats, policy,
+# live signals, leases). A node of a Redis Cluster is detected (fairqueue.engine.cluster).
+# Empty means REDIS_URL, looked up when a client is made (tenants/redis_client.py), so
+# tests that point REDIS_URL elsewhere move the engine with it.
+FAIRQUEUE_ENGINE_URL = "" if RUNNING_TESTS else env.str("FAIRQUEUE_ENGINE_URL", default="")
+CHANNELS_REDIS_URL = _role_url("CHANNELS_REDIS_URL")
+CACHE_URL = _role_url("CACHE_URL")
+
+CACHES = {"default": {**env.cache_url_config(CACHE_URL), "KEY_PREFIX": "fq:cache"}}
+if CACHES["default"]["BACKEND"] == "django_redis.cache.RedisCache":
+    CACHES["default"]["OPTIONS"] = {"CLIENT_CLASS": "django_redis.client.DefaultClient"}
 
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": "fq:channels:"},
+        "CONFIG": {"hosts": [CHANNELS_REDIS_URL], "prefix": "fq:channels:"},
     }
 }
 
 # --- Celery -----------------------------------------------------------------------------
-CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_URL = _role_url("CELERY_BROKER_URL")
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 # A delivery is acknowledged when its task ends: a worker then holds at most one message

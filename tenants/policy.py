@@ -22,6 +22,7 @@ from typing import Any
 
 import redis
 
+from fairqueue.engine.cluster import Client
 from tenants import keys
 from tenants.redis_client import get_redis
 from tenants.sync import policy_sync_all
@@ -209,7 +210,7 @@ def _refresh(current: PolicySnapshot | None) -> PolicySnapshot:
     return _load(client)
 
 
-def _resync_from_database(client: redis.Redis) -> bool:
+def _resync_from_database(client: Client) -> bool:
     """Rebuild Redis from the database if no other process is already doing it."""
     token = uuid.uuid4().hex
     if not client.set(keys.RESYNC_LOCK_KEY, token, nx=True, ex=RESYNC_LOCK_SECONDS):
@@ -226,7 +227,7 @@ def _resync_from_database(client: redis.Redis) -> bool:
     return True
 
 
-def _release_lock(client: redis.Redis, token: str) -> None:
+def _release_lock(client: Client, token: str) -> None:
     with client.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(keys.RESYNC_LOCK_KEY)
@@ -238,7 +239,7 @@ def _release_lock(client: redis.Redis, token: str) -> None:
             pass  # it expired and someone else took it: theirs now
 
 
-def _wait_for_sync(client: redis.Redis) -> None:
+def _wait_for_sync(client: Client) -> None:
     deadline = time.monotonic() + RESYNC_WAIT_SECONDS
     while time.monotonic() < deadline and not client.exists(keys.SYNCED_KEY):
         time.sleep(0.05)
@@ -252,7 +253,7 @@ def _parse(kind: str, name: str, data: dict[str, str], build: Any) -> Any:
         return None
 
 
-def _load(client: redis.Redis) -> PolicySnapshot:
+def _load(client: Client) -> PolicySnapshot:
     """Read all policy: the indexes, then every hash in one MULTI (retried if a write slips in)."""
     for _ in range(5):
         pipe = client.pipeline(transaction=True)

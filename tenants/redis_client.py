@@ -1,26 +1,35 @@
-"""The one Redis client the tenants app uses, created lazily from settings.REDIS_URL."""
+"""The client of the engine's Redis, shared by the tenants app and the jobs side.
+
+Policy, the worker registry, stats and live signals live beside the engine's state, on the
+server (or Redis Cluster) that FAIRQUEUE_ENGINE_URL names, REDIS_URL when it is empty. One
+client per URL and process, created on first use: a changed setting (tests pointing at
+another server) takes effect without restarting the process.
+"""
 
 from __future__ import annotations
 
-import threading
+import functools
 
-import redis
 from django.conf import settings
 
-_lock = threading.Lock()
-_client: redis.Redis | None = None
-_client_url: str | None = None
+from fairqueue.engine.cluster import Client, connect
+
+# Fail fast when Redis is unreachable: callers fall back (jobs stay queued, the last known
+# policy is used) instead of hanging.
+TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0, "health_check_interval": 30}
 
 
-def get_redis() -> redis.Redis:
-    """A shared client (decoded strings); rebuilt if settings.REDIS_URL changes (tests override it)."""
-    global _client, _client_url
-    url = settings.REDIS_URL
-    client = _client
-    if client is not None and _client_url == url:
-        return client
-    with _lock:
-        if _client is None or _client_url != url:
-            _client = redis.Redis.from_url(url, decode_responses=True)
-            _client_url = url
-        return _client
+def engine_url() -> str:
+    """Where the engine's state lives (FAIRQUEUE_ENGINE_URL, else REDIS_URL)."""
+    return settings.FAIRQUEUE_ENGINE_URL or settings.REDIS_URL
+
+
+@functools.cache
+def client_for(url: str) -> Client:
+    """A text-mode client of `url`: a cluster client if a Redis Cluster answers there."""
+    return connect(url, decode_responses=True, **TIMEOUTS)
+
+
+def get_redis() -> Client:
+    """The shared client of the engine's Redis (decoded strings)."""
+    return client_for(engine_url())

@@ -14,6 +14,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 from redis.client import Pipeline
 
+from fairqueue.engine.cluster import Client
 from tenants import keys
 from tenants.models import LatencyClass, PoolSettings, Shard, Tenant
 from tenants.redis_client import get_redis
@@ -43,7 +44,7 @@ def _flag(value: bool) -> str:
 
 
 def tenant_policy_mapping(*, tenant: Tenant) -> dict[str, str]:
-    """The fields of `fq:policy:tenant:<slug>` (without version) for this tenant row."""
+    """The fields of `fq:{policy}:tenant:<slug>` (without version) for this tenant row."""
     return {
         "slug": tenant.slug,
         "name": tenant.name,
@@ -61,7 +62,7 @@ def tenant_policy_mapping(*, tenant: Tenant) -> dict[str, str]:
 
 
 def subtenant_policy_mapping(*, tenant: Tenant) -> dict[str, str]:
-    """external_id -> max_concurrency, the fields of `fq:policy:subtenants:<slug>`."""
+    """external_id -> max_concurrency, the fields of `fq:{policy}:subtenants:<slug>`."""
     return {st.external_id: str(st.max_concurrency) for st in tenant.sub_tenants.all()}
 
 
@@ -125,7 +126,7 @@ def _put_pool(pipe: Pipeline, pool: PoolSettings, version: int) -> None:
 
 
 def _versioned_write(
-    write: Callable[[Pipeline, int], None], *, before: Callable[[redis.Redis], object] | None = None
+    write: Callable[[Pipeline, int], None], *, before: Callable[[Client], object] | None = None
 ) -> int:
     """Run `write` in one MULTI/EXEC that also INCRs the policy version; return the new version.
 
@@ -214,7 +215,7 @@ def pool_policy_delete() -> int:
 
 
 def policy_sync_all() -> PolicySyncResult:
-    """Rebuild every `fq:policy:*` key from the database in one transaction and mark Redis synced.
+    """Rebuild every `fq:{policy}:*` key from the database in one transaction and mark Redis synced.
 
     Everything except the version counter (kept monotonic) and the resync lock is deleted
     first, so rows deleted while Redis was unreachable disappear too.
@@ -225,7 +226,7 @@ def policy_sync_all() -> PolicySyncResult:
     pool = PoolSettings.load()
     stale: list[str] = []
 
-    def collect_stale(client: redis.Redis) -> None:
+    def collect_stale(client: Client) -> None:
         # Runs after WATCH: a concurrent write between this scan and EXEC aborts and retries.
         stale[:] = [k for k in client.scan_iter(match=f"{keys.PREFIX}*", count=1000) if k not in keys.PRESERVED_KEYS]
 

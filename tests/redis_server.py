@@ -16,9 +16,12 @@ class RedisServer:
     """redis-server on a free local port, keeping nothing on disk; stop() and start()
     again is an outage after which it comes back empty, as a restarted Redis does."""
 
-    def __init__(self, *, bind: str = "127.0.0.1") -> None:
-        """`bind` "0.0.0.0" serves hosts in network namespaces too (tests/netns.py)."""
+    def __init__(self, *, bind: str = "127.0.0.1", data_dir: str | None = None) -> None:
+        """`bind` "0.0.0.0" serves hosts in network namespaces too (tests/netns.py). With
+        `data_dir`, a SAVE writes a snapshot there and a restart loads it (as a server with
+        persistence does), instead of coming back empty."""
         self.bind = bind
+        self.data_dir = data_dir
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (.ci/run installs it)")
@@ -39,6 +42,8 @@ class RedisServer:
         argv = [self.binary, "--port", str(self.port), "--bind", self.bind, "--save", "", "--appendonly", "no"]
         if self.bind != "127.0.0.1":  # reachable from the test's own hosts, without a password
             argv += ["--protected-mode", "no"]
+        if self.data_dir:
+            argv += ["--dir", self.data_dir]
         self.proc = subprocess.Popen(
             argv, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent
         )

@@ -50,3 +50,52 @@ class ChaosQuickTests(SimpleTestCase):
         # The limits really bit (the check is not vacuous): capped tenants reached their max.
         scopes = report["details"]["concurrency"]["scopes"]
         self.assertEqual(scopes["tenant:tiny"]["peak"], 1, context)
+
+
+@tag("slow", "chaos", "distributed", "cluster")
+class ChaosClusterQuickTests(SimpleTestCase):
+    """The chaos run with the engine on a Redis Cluster it starts: worker SIGKILLs, a
+    failover that loses acknowledged writes (the replica is cut off before the primary's
+    SIGKILL) and a primary's data loss. FAIRQUEUE_CHAOS_CLUSTER_PORTS (e.g. 7111-7116) fixes
+    the nodes' ports; free ones otherwise."""
+
+    def test_quick_cluster_chaos_run_loses_nothing_runs_everything_once_and_reports_the_failover(self) -> None:
+        out = io.StringIO()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "chaos.json"
+            args = ["--quick", "--cluster", "--json", str(path)]
+            args += ["--redis-url", os.environ.get("FAIRQUEUE_CHAOS_REDIS_URL", DEFAULT_REDIS_URL)]
+            if os.environ.get("FAIRQUEUE_CHAOS_CLUSTER_PORTS"):
+                args += ["--cluster-ports", os.environ["FAIRQUEUE_CHAOS_CLUSTER_PORTS"]]
+            failed = None
+            try:
+                call_command("chaos", *args, stdout=out)
+            except CommandError as exc:
+                failed = exc
+            self.assertTrue(path.exists(), f"no report written ({failed}); output:\n{out.getvalue()}")
+            report = json.loads(path.read_text())
+        summary = {k: v for k, v in report.items() if k != "details"}
+        context = f"{summary}\n{out.getvalue()}"
+        self.assertIsNone(failed, context)
+        self.assertTrue(report["ok"], context)
+        self.assertGreater(report["accepted"], 0, context)
+        self.assertEqual(report["accepted"], report["succeeded"], context)
+        for zero in ("lost", "duplicated", "missing_side_effects", "leaked_holds"):
+            self.assertEqual(report[zero], 0, f"{zero}: {context}")
+        self.assertEqual((report["failovers"], report["primary_data_losses"]), (1, 1), context)
+        cluster = report["cluster"]
+        self.assertEqual(cluster["over_limit_events_elsewhere"], 0, context)
+        # Reported, whatever they are: the over-limit events inside the failover window and
+        # what the promoted replica had lost.
+        self.assertEqual(
+            cluster["over_limit_events_in_failover_window"] + cluster["over_limit_events_elsewhere"],
+            report["over_limit_events"],
+        )
+        self.assertEqual(set(cluster["writes_lost"]), {"admissions", "parks", "releases"})
+        failover = cluster["failover"]
+        self.assertGreater(failover["promotion_s"], 0, context)
+        self.assertIsNotNone(failover["trusted_again_s"], f"the tag was never rebuilt after the failover: {context}")
+        self.assertGreaterEqual(failover["trusted_again_s"], failover["promotion_s"], context)
+        self.assertGreaterEqual(cluster["foreign_rebuilds"], 1, context)
+        self.assertIsNotNone(cluster["data_loss"]["rebuilt_s"], context)
+        self.assertEqual(report["details"]["concurrency"]["scopes"]["tenant:tiny"]["peak"], 1, context)

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-import redis
 from django.conf import settings
 from django.db import connection
 
-from fairqueue.bench.stack import die_with_parent, worker_argv
+from fairqueue.bench.stack import ROLE_URL_VARIABLES, die_with_parent, engine_url_of, worker_argv
+from fairqueue.engine.cluster import connect
 from fairqueue.jobs.fleet import SEEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,8 +24,9 @@ LOG_DIR = ROOT / "var" / "test-logs"
 
 
 def worker_env(**overrides: str) -> dict[str, str]:
-    """Point a child process at the test Redis database and the test SQLite file."""
-    env = dict(os.environ)
+    """Point a child process at the test Redis database and the test SQLite file. Every role
+    uses REDIS_URL unless `overrides` give it a URL of its own (ROLE_URL_VARIABLES)."""
+    env = {k: v for k, v in os.environ.items() if k not in ROLE_URL_VARIABLES}
     db = connection.settings_dict
     if db["ENGINE"].endswith("sqlite3"):
         env["DATABASE_URL"] = f"sqlite:///{db['NAME']}"
@@ -77,7 +78,7 @@ class WorkerProcess:
             preexec_fn=die_with_parent,  # a crashed test run leaves no worker behind
         )
         _started.append(self)
-        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        client = connect(engine_url_of(self.env))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if client.zscore(SEEN_KEY, self.hostname) is not None:

@@ -20,10 +20,16 @@ from typing import Any
 
 import redis
 
+from fairqueue.engine.cluster import connect
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "var" / "bench"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/8"
 SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY (not imported: no Django needed here)
+# Settings that give a role its own server (fairqueue/settings.py, Redis section): a stack
+# inherits none from this process's environment, so its REDIS_URL serves every role unless
+# the caller says otherwise.
+ROLE_URL_VARIABLES = ("FAIRQUEUE_ENGINE_URL", "CELERY_BROKER_URL", "CHANNELS_REDIS_URL", "CACHE_URL")
 
 
 class StackError(RuntimeError):
@@ -55,8 +61,9 @@ def redis_db_flush(url: str) -> None:
 
 def stack_env(*, redis_url: str, db_path: Path, database_url: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for every process of one stack: its Redis database and its database
-    (the SQLite file `db_path`, or `database_url` when given)."""
-    env = dict(os.environ)
+    (the SQLite file `db_path`, or `database_url` when given). `extra` may give roles
+    their own servers (ROLE_URL_VARIABLES)."""
+    env = {k: v for k, v in os.environ.items() if k not in ROLE_URL_VARIABLES}
     env.update(
         {
             "REDIS_URL": redis_url,
@@ -70,6 +77,11 @@ def stack_env(*, redis_url: str, db_path: Path, database_url: str | None = None,
     )
     env.update(extra)
     return env
+
+
+def engine_url_of(env: dict[str, str]) -> str:
+    """Where a stack's engine state and worker registry live."""
+    return env.get("FAIRQUEUE_ENGINE_URL") or env["REDIS_URL"]
 
 
 def fresh_database(db_path: Path, env: dict[str, str]) -> None:
@@ -134,7 +146,7 @@ class Workers:
                     preexec_fn=die_with_parent,
                 )
             )
-        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        client = connect(engine_url_of(self.env))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(client.zscore(SEEN_KEY, h) is not None for h in self.hostnames):

@@ -17,6 +17,7 @@ from .results import (
     KeyState,
     ReclaimResult,
     ReleaseResult,
+    TagHealth,
     Woken,
 )
 from .sweeper import Sweeper
@@ -35,6 +36,7 @@ __all__ = [
     "ReclaimResult",
     "ReleaseResult",
     "Sweeper",
+    "TagHealth",
     "Woken",
     "tag_keys",
 ]

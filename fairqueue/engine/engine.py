@@ -4,19 +4,24 @@ Both build the same ``ops.Call`` objects (validation, encoding and decoding live
 ``ops``) and differ only in how they send them: one FCALL per operation, one pipelined
 round trip for ``admit_many`` and ``sweep``. A server without our Functions library gets
 it loaded on the first "function not found" and the call is retried once.
+
+``Engine`` also takes a ``redis.cluster.RedisCluster`` (``cluster.connect`` picks one by
+itself): each call goes to the primary of its tag's slot, and pipelines are split per node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-import redis
 import redis.asyncio
+from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from . import ops
-from .keys import READY_FIELD, key_name, validate_prefix
+from .cluster import Client, node_client, node_clients, server_identity
+from .keys import READY_FIELD, SPEC_PREFIX, STAMP_FIELD, key_name, tag_keys, validate_prefix
 from .results import (
     Admission,
     AdmitRequest,
@@ -26,11 +31,15 @@ from .results import (
     KeyState,
     ReclaimResult,
     ReleaseResult,
+    TagHealth,
     Woken,
 )
 from .scripts import function_name, is_already_loaded, is_missing_function, library
 
 T = TypeVar("T")
+
+#: ``INFO`` sections that name a server's process and replication history.
+IDENTITY_SECTIONS = ("server", "replication")
 
 
 def fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
@@ -56,6 +65,22 @@ def _collect(pending: list[int], results: list[Any], raws: list[Any], *, last: b
         else:
             raws[i] = r
     return missing
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _is_redirect(error: ResponseError) -> bool:
+    """A cluster node says another one now holds the slot (after a failover or a reshard)."""
+    return str(error).startswith(("MOVED", "ASK"))
+
+
+def _health(raw: Any, identity: str) -> TagHealth:
+    ready, stamp = raw
+    if not ready:
+        return TagHealth.NOT_READY
+    return TagHealth.READY if stamp is not None and _text(stamp) == identity else TagHealth.FOREIGN
 
 
 class _Base:
@@ -108,29 +133,57 @@ class _Base:
 
 
 class Engine(_Base):
-    """Blocking API (Celery workers, management commands). Thread-safe like its client."""
+    """Blocking API (Celery workers, management commands). Thread-safe like its client,
+    which may be a plain ``redis.Redis`` or a ``redis.cluster.RedisCluster``."""
 
-    def __init__(self, client: redis.Redis, prefix: str = "fq") -> None:
+    def __init__(self, client: Client, prefix: str = "fq") -> None:
         super().__init__(prefix)
         self.client = client
 
-    def _load(self) -> None:
+    def _load(self, server: Any = None) -> None:
+        """Load the library where a call found it missing: on ``server`` if given, else on
+        the client's server, or on every primary of a cluster (one by one: a primary that
+        has it already must not stop the others from getting it)."""
+        if server is None and isinstance(self.client, RedisCluster):
+            cluster: Any = self.client  # redis-py leaves get_primaries untyped
+            for node in cluster.get_primaries():
+                self._load_on(node.redis_connection)
+        else:
+            self._load_on(self.client if server is None else server)
+
+    @staticmethod
+    def _load_on(server: Any) -> None:
         try:
-            self.client.function_load(library().source)
+            server.function_load(library().source)
         except ResponseError as e:
             if not is_already_loaded(e):
                 raise
 
-    def _run(self, call: ops.Call[T]) -> T:
+    def _run(self, call: ops.Call[T], server: Any = None) -> T:
+        """Send one call, through the client or straight to ``server`` (a node's client)."""
+        client = self.client if server is None else server
         args = fcall_args(call)
         try:
-            raw = self.client.fcall(*args)
+            raw = client.fcall(*args)
         except ResponseError as e:
             if not is_missing_function(e):
                 raise
-            self._load()
-            raw = self.client.fcall(*args)
+            self._load(server)
+            raw = client.fcall(*args)
         return call.decode(raw)
+
+    def _on_server(self, tag: str, action: Callable[[Any], T]) -> T:
+        """Run ``action`` with a client of the one server that holds ``tag`` (so what it
+        reads and writes there is about that server); once more if the slot just moved."""
+        state = key_name(self.prefix, tag, "state")
+        for attempt in range(2):
+            try:
+                return action(node_client(self.client, state))
+            except ResponseError as e:
+                if attempt or not _is_redirect(e) or not isinstance(self.client, RedisCluster):
+                    raise
+                self.client.nodes_manager.initialize()
+        raise AssertionError("unreachable")
 
     def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
         if not calls:
@@ -219,8 +272,60 @@ class Engine(_Base):
         """Mark a tag ready (idempotent): its state is complete. True if this call did it.
 
         ``require_ready`` admits store nothing on a tag that is not ready, which is what keeps
-        a newcomer out of a tag whose state Redis lost until the caller has rebuilt it."""
-        return self._run(ops.init_tag(self.prefix, tag=tag))
+        a newcomer out of a tag whose state Redis lost until the caller has rebuilt it.
+        The tag is also stamped with the identity of the server that holds it (see
+        ``tags_health``), before it is marked: a ready tag always carries a stamp."""
+
+        def mark(server: Any) -> bool:
+            identity = server_identity(server.info(*IDENTITY_SECTIONS))
+            server.hset(key_name(self.prefix, tag, "state"), STAMP_FIELD, identity)
+            return self._run(ops.init_tag(self.prefix, tag=tag), server)
+
+        return self._on_server(tag, mark)
+
+    def tags_health(self, tags: Iterable[str]) -> dict[str, TagHealth]:
+        """Whether each tag's state can be trusted (``TagHealth``): one pipelined round trip
+        per server, reading the server's identity and each tag's ready mark and stamp
+        together. A tag whose server could not answer (down, or its slot just moved) is
+        left out: ask again later."""
+        by_state = {key_name(self.prefix, tag, "state"): tag for tag in dict.fromkeys(tags)}
+        health: dict[str, TagHealth] = {}
+        for server, states in node_clients(self.client, by_state).items():
+            pipe = server.pipeline(transaction=False)
+            pipe.info(*IDENTITY_SECTIONS)
+            for state in states:
+                pipe.hmget(state, [READY_FIELD, STAMP_FIELD])
+            try:
+                info, *raws = pipe.execute(raise_on_error=False)
+            except redis.RedisError:
+                continue
+            if isinstance(info, Exception):
+                continue
+            identity = server_identity(info)
+            for state, raw in zip(states, raws, strict=True):
+                if not isinstance(raw, Exception):
+                    health[by_state[state]] = _health(raw, identity)
+        if len(health) < len(by_state) and isinstance(self.client, RedisCluster):
+            # A server that did not answer, or answered MOVED: the slot map is stale (a
+            # failover). Ask the cluster for the current one, for the next call.
+            with contextlib.suppress(redis.RedisError):
+                self.client.nodes_manager.initialize()
+        return health
+
+    def known_jobs(self, *, tag: str) -> dict[str, str]:
+        """Every job the tag knows: job id -> "admitted" (holding all its keys, with a lease)
+        or "parked". O(state), read in batches: for audits and recovery, never a hot path."""
+        state, leases = key_name(self.prefix, tag, "state"), key_name(self.prefix, tag, "leases")
+        fields = (f for f, _ in self.client.hscan_iter(state, match=f"{SPEC_PREFIX}*", count=1000))
+        known = dict.fromkeys((_text(f)[1:] for f in fields), "parked")
+        for job, _ in self.client.zscan_iter(leases, count=1000):
+            known[_text(job)] = "admitted"
+        return known
+
+    def reset_tag(self, *, tag: str) -> int:
+        """Delete all of a tag's state (before rebuilding a FOREIGN tag from the source of
+        truth); the tag then reads NOT_READY. Returns how many of its keys existed."""
+        return int(self.client.delete(*tag_keys(self.prefix, tag)))
 
     def ready_tags(self, tags: Iterable[str]) -> set[str]:
         """Which of `tags` are ready (see init_tag): one pipelined round trip."""

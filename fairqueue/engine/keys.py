@@ -32,6 +32,11 @@ LAYOUT = 5
 
 #: The ``state`` field that marks a tag ready (``READY`` in lua/_lib.lua).
 READY_FIELD = "\x01ready"
+#: What starts a job's spec field in ``state`` (``"\2" + job id``).
+SPEC_PREFIX = "\x02"
+#: The ``state`` field naming the server (process and replication history) that marked the
+#: tag ready: written from Python only, never read by the Lua (see ``cluster.server_identity``).
+STAMP_FIELD = "\x01stamp"
 
 
 def validate_tag(tag: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,20 @@ class KeyLimit:
 #: Keys of a job with their limits: ``{"t:1": 5}`` or ``[KeyLimit("t:1", 5)]`` or ``[("t:1", 5)]``
 #: (the last two forms may also carry a flow and weight: ``KeyLimit("s:1", 40, "acme", 2.0)``).
 KeysArg = Mapping[str, int] | Iterable[KeyLimit | tuple[str, int]]
+
+
+class TagHealth(StrEnum):
+    """Whether a tag's state can be trusted (``Engine.tags_health``).
+
+    ``READY``: marked ready by the server that holds it now. ``NOT_READY``: never marked, or
+    its state was lost (a flush, a restart without persistence): rebuild it. ``FOREIGN``:
+    marked ready, but by another server or before a break in this server's history (a
+    replica promoted after a failover, a restart from an older snapshot): it may lack the
+    last acknowledged writes, so throw it away and rebuild it."""
+
+    READY = "ready"
+    NOT_READY = "not_ready"
+    FOREIGN = "foreign"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .cluster import primary_clients
+
 LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
 
 #: Every operation of the engine, one ``lua/<name>.lua`` each.
@@ -114,8 +116,12 @@ def _library_names(reply: Any) -> list[str]:
 
 
 def loaded_libraries(client: Any) -> list[str]:
-    """Every version of the engine's library loaded on this server (ours included)."""
-    return _library_names(client.function_list(library=f"{LIBRARY_PREFIX}*"))
+    """Every version of the engine's library loaded on this server, or on any primary of a
+    cluster (ours included)."""
+    names: set[str] = set()
+    for server in primary_clients(client):
+        names.update(_library_names(server.function_list(library=f"{LIBRARY_PREFIX}*")))
+    return sorted(names)
 
 
 def prune_libraries(client: Any) -> list[str]:
@@ -125,6 +131,7 @@ def prune_libraries(client: Any) -> list[str]:
     next call. Run it after a deploy has replaced every process."""
     current = library().name
     stale = [name for name in loaded_libraries(client) if name != current]
-    for name in stale:
-        client.function_delete(name)
+    for server in primary_clients(client):
+        for name in set(stale) & set(loaded_libraries(server)):
+            server.function_delete(name)
     return stale

@@ -41,9 +41,12 @@ _MEAN_SHA = hashlib.sha1(_MEAN_SOURCE.encode()).hexdigest()
 
 
 def _queue_means(pipe: Any, durations: list[tuple[str, float]]) -> None:
-    """Queue the EWMA updates on a pipeline (EVALSHA: no per-call script existence check)."""
+    """Queue the EWMA updates on a pipeline (EVALSHA: no per-call script existence check).
+
+    Sent as a raw command: redis-py's cluster pipeline refuses its `evalsha` method, though
+    it routes EVALSHA by its keys like any other command (one key here)."""
     for slug, seconds in durations:
-        pipe.evalsha(_MEAN_SHA, 1, mean_key(slug), f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS)
+        pipe.execute_command("EVALSHA", _MEAN_SHA, 1, mean_key(slug), f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS)
 
 
 def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], bool]:
@@ -63,12 +66,13 @@ def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], 
     return results[len(durations) :], redone
 
 
-SHARES_KEY = "fq:limits:idle_share"  # HASH slug -> bonus; expires if no worker ticks
+# The tick's shares are published in one MULTI, so they share a Redis Cluster hash tag.
+SHARES_KEY = "fq:{limits}:idle_share"  # HASH slug -> bonus; expires if no worker ticks
 SHARES_TTL_SECONDS = 3
-FAIR_SHARES_KEY = "fq:limits:fair_share"  # HASH slug -> max-min fair share of the pool target
+FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of the pool target
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
-HELD_ELSEWHERE_KEY = "fq:limits:held_elsewhere"
+HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
 
 
 def rate_key(slug: str) -> str:

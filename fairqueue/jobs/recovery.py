@@ -14,6 +14,14 @@ ready only once every row is back: a Redis error half-way leaves it not ready, a
 next tick rebuilds it again. Until then ordinary admissions on it do nothing
 (`require_ready`): a newcomer cannot take a slot a still-running job holds.
 
+Foreign state. A tag can also look complete and still have lost writes: after a failover
+the promoted replica (replication is asynchronous) may lack the last admissions, parks and
+releases the old primary acknowledged, and a server restarted from a snapshot lacks
+everything since. The engine stamps each tag with the identity of the server that marked
+it ready (process and replication history) and reports a stamp that is not the current
+server's as FOREIGN; the tick then compares what the tag knows with the database (to count
+the writes it lost), deletes the tag's state and rebuilds it like a lost one.
+
 Pending. Jobs accepted while Redis was unreachable (or whose delivery could not be
 published) sit `queued` with no admission; each tick admits them once a few seconds old.
 
@@ -28,23 +36,27 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import redis
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from fairqueue.engine import TagHealth
+from fairqueue.jobs import stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
-from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
 
 log = logging.getLogger("fairqueue.recovery")
 
 REBUILD_LOCK_PREFIX = "fq:state:rebuild_lock:"  # + tag
-REBUILD_LOCK_SECONDS = 120
+# Extended after every chunk a rebuild re-enters, so a rebuilder that dies (a worker killed
+# mid-rebuild) keeps the tag from being rebuilt by another for this long at most.
+REBUILD_LOCK_SECONDS = 10
 CHUNK = 500
 PENDING_GRACE_SECONDS = 5.0
 RECONCILE_ROWS_PER_TICK = 20
@@ -55,22 +67,30 @@ RECONCILE_SUSPECTS_TTL_SECONDS = 60
 
 # Delete the lock only if it is still ours (it may have expired and been taken since).
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# Extend the lock only if it is still ours.
+_EXTEND = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('expire', KEYS[1], ARGV[2]) end return 0"
 
 
 def state_ensure() -> list[str]:
-    """Rebuild every shard's engine tag that is not ready; returns the tags rebuilt."""
+    """Rebuild every shard's engine tag that is not ready (its state was lost) or foreign (it
+    may have lost writes: a failover, a restart from a snapshot); returns the tags rebuilt.
+    A tag whose server does not answer now is left for the next tick."""
     policy = policy_snapshot()  # also resyncs policy if Redis lost it
     tags = {shard_tag(name): name for name in policy.shards}
-    ready = engine().ready_tags(tags)
+    health = engine().tags_health(tags)
     rebuilt = []
     for tag, shard in tags.items():
-        if tag not in ready and tag_rebuild(tag=tag, shard=shard):
+        state = health.get(tag)
+        if state is None or state is TagHealth.READY:
+            continue
+        if tag_rebuild(tag=tag, shard=shard, foreign=state is TagHealth.FOREIGN):
             rebuilt.append(tag)
     return rebuilt
 
 
-def tag_rebuild(*, tag: str, shard: str) -> bool:
-    """Re-enter every unfinished job of one tag, then mark it ready; all or nothing.
+def tag_rebuild(*, tag: str, shard: str, foreign: bool = False) -> bool:
+    """Re-enter every unfinished job of one tag, then mark it ready; all or nothing. With
+    `foreign`, the tag's state is first counted against the database and thrown away.
     False if another process holds the tag's rebuild lock or the rebuild failed."""
     client = redis_client()
     lock, token = REBUILD_LOCK_PREFIX + tag, uuid.uuid4().hex
@@ -80,8 +100,20 @@ def tag_rebuild(*, tag: str, shard: str) -> bool:
     except redis.RedisError:
         log.warning("could not take the rebuild lock of %s; retried next tick", tag, exc_info=True)
         return False
+    lost: dict[str, int] = {}
     try:
-        counts = _rebuild(tag=tag, shard=shard)
+        if foreign:
+            # Another process may have rebuilt it while we waited for the lock.
+            if engine().tags_health([tag]).get(tag) is not TagHealth.FOREIGN:
+                return False
+            lost = writes_lost(tag=tag, shard=shard)
+            engine().reset_tag(tag=tag)
+
+        def keep_lock() -> None:
+            if not client.eval(_EXTEND, 1, lock, token, REBUILD_LOCK_SECONDS):
+                raise RuntimeError(f"lost the rebuild lock of {tag}")
+
+        counts = _rebuild(tag=tag, shard=shard, keep_lock=keep_lock)
         engine().init_tag(tag=tag)
     except Exception:
         log.exception("rebuild of %s failed; it stays not ready and is retried next tick", tag)
@@ -91,9 +123,61 @@ def tag_rebuild(*, tag: str, shard: str) -> bool:
             client.eval(_UNLOCK, 1, lock, token)
         except redis.RedisError:
             log.warning("could not release the rebuild lock of %s; it expires", tag, exc_info=True)
-    if any(counts.values()):
+    if foreign:
+        stats.count("foreign_rebuilds")
+        for kind, n in lost.items():
+            stats.count(f"writes_lost:{kind}", n)
+        log.warning(
+            "the engine state of %s came from another Redis server (a failover or a restart from a snapshot): "
+            "it lacked %s; rebuilt from the database: %s",
+            tag,
+            lost,
+            counts,
+        )
+    elif any(counts.values()):
         log.warning("Redis had lost the scheduling state of %s; rebuilt from the database: %s", tag, counts)
     return True
+
+
+def writes_lost(*, tag: str, shard: str) -> dict[str, int]:
+    """What a tag's state lacks against the database, by kind of write: `admissions` (jobs
+    the database says hold their slots, admitted or running, that the tag does not hold:
+    unknown, or still parked where a lost handoff had woken them), `parks` (parked jobs the
+    tag does not know) and `releases` (finished jobs the tag still knows, but for releases
+    that could not be made and wait for the reconciler). A job admitted and
+    finished within the lost writes leaves no trace in either and is not counted. A count,
+    not a repair: rows that change while it runs can be miscounted by a few."""
+    known = engine().known_jobs(tag=tag)
+    placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
+    holding = Q(status=JobStatus.RUNNING) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
+    unfinished: dict[str, str] = {}
+    for job_id, generation, status in (
+        Job.objects.filter(placed_here)
+        .filter(holding | Q(status=JobStatus.PARKED))
+        .values_list("id", "generation", "status")
+        .iterator(chunk_size=CHUNK)
+    ):
+        unfinished[f"{job_id}.{generation}"] = status
+    lost = {"admissions": 0, "parks": 0, "releases": 0}
+    for engine_id, status in unfinished.items():
+        if status == JobStatus.PARKED:
+            lost["parks"] += engine_id not in known
+        else:
+            lost["admissions"] += known.get(engine_id) != "admitted"
+    stale = known.keys() - unfinished.keys()
+    if stale:
+        ids = {e.rpartition(".")[0] for e in stale}
+        lost["releases"] = sum(
+            1
+            # A release still pending was never made, so it was not lost.
+            for job_id, generation in Job.objects.filter(
+                id__in=ids, status__in=sorted(TERMINAL_STATUSES), release_pending=False
+            )
+            .values_list("id", "generation")
+            .iterator(chunk_size=CHUNK)
+            if f"{job_id}.{generation}" in stale
+        )
+    return lost
 
 
 def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
@@ -108,13 +192,14 @@ def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
         yield chunk
 
 
-def _rebuild(*, tag: str, shard: str) -> dict[str, int]:
+def _rebuild(*, tag: str, shard: str, keep_lock: Callable[[], None]) -> dict[str, int]:
     policy = policy_snapshot()
     placed_here = Q(engine_tag=tag) | Q(engine_tag="", tenant__shard__name=shard)
     running = 0
     for chunk in _chunks(Job.objects.filter(placed_here, status=JobStatus.RUNNING)):
         jobs_admit(chunk, policy=policy, dispatch=False, running=True, rebuilding=True, strict=True)
         running += len(chunk)
+        keep_lock()
     # Waiting jobs of this shard's tenants still placed where the engine lost its state too
     # (a place they were moved away from) come back here, where their tenant is now.
     waiting_on_shard = Job.objects.filter(tenant__shard__name=shard, status__in=[JobStatus.QUEUED, JobStatus.PARKED])
@@ -127,6 +212,7 @@ def _rebuild(*, tag: str, shard: str) -> dict[str, int]:
                 job.engine_tag, job.engine_keys = "", ""  # jobs_admit stores the current place
         jobs_admit(chunk, policy=policy, rebuilding=True, strict=True)
         waiting += len(chunk)
+        keep_lock()
     return {"running": running, "waiting": waiting}
 
 

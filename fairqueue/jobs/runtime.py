@@ -1,36 +1,29 @@
-"""Process-wide Redis clients and the engine, created lazily from settings.REDIS_URL.
+"""Process-wide clients of the engine's Redis and the engine, created lazily from settings.
 
-They are keyed by URL, so a changed setting (tests pointing at an unreachable server)
-takes effect without restarting the process.
+Engine state and the jobs side's fleet-wide keys (worker registry, stats, live signals,
+duty lease) share one client of FAIRQUEUE_ENGINE_URL (REDIS_URL when it is empty), a Redis
+Cluster client when that URL is a cluster node. They are keyed by URL, so a changed setting
+(tests pointing at an unreachable server) takes effect without restarting the process.
 """
 
 from __future__ import annotations
 
 import functools
 
-import redis
-from django.conf import settings
-
 from fairqueue.engine import Engine
-
-# Fail fast when Redis is unreachable: callers fall back (jobs stay queued) instead of hanging.
-_TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0, "health_check_interval": 30}
-
-
-@functools.cache
-def _client_for(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, **_TIMEOUTS)
+from fairqueue.engine.cluster import Client
+from tenants.redis_client import client_for, engine_url
 
 
 @functools.cache
 def _engine_for(url: str) -> Engine:
-    return Engine(redis.Redis.from_url(url, decode_responses=True, **_TIMEOUTS))
+    return Engine(client_for(url))
 
 
-def redis_client() -> redis.Redis:
+def redis_client() -> Client:
     """Text-mode client for the jobs side's own small keys (signals, registry, stats)."""
-    return _client_for(settings.REDIS_URL)
+    return client_for(engine_url())
 
 
 def engine() -> Engine:
-    return _engine_for(settings.REDIS_URL)
+    return _engine_for(engine_url())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from tenants.redis_client import engine_url
 from tenants.sync import policy_sync_all
 
 
@@ -15,7 +15,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         result = policy_sync_all()
-        self.stdout.write(f"Synced policy into {settings.REDIS_URL}:")
+        self.stdout.write(f"Synced policy into {engine_url()}:")
         self.stdout.write(f"  tenants:         {result.tenants} (with {result.sub_tenants} sub-tenants)")
         self.stdout.write(f"  shards:          {result.shards}")
         self.stdout.write(f"  latency classes: {result.classes}")

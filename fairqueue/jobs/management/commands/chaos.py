@@ -10,13 +10,15 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fairqueue.bench.cluster import parse_ports
 from fairqueue.chaos import DEFAULT_REDIS_URL, ChaosConfig, report_lines, run
 
 
 class Command(BaseCommand):
     help = (
         "Chaos run: real workers and daphne on a fresh SQLite file and a dedicated Redis database; "
-        "random SIGKILLs and one Redis flush under load; exits non-zero unless every check passes."
+        "random SIGKILLs and one Redis flush (or, with --cluster, a failover and a primary's data loss) "
+        "under load; exits non-zero unless every check passes."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -32,6 +34,25 @@ class Command(BaseCommand):
         parser.add_argument("--workers", type=int, help="worker processes alive at any time")
         parser.add_argument("--slots", type=int, help="slots (threads) per worker")
         parser.add_argument("--rate", dest="requests_per_second", type=float, help="HTTP requests per second")
+        parser.add_argument(
+            "--quiet-timeout", type=float, help="how long to wait for every job to finish after the load (s)"
+        )
+        parser.add_argument("--min-seconds", type=float, help="shortest job (default 0.05)")
+        parser.add_argument("--max-seconds", type=float, help="longest job (default 0.5)")
+        parser.add_argument(
+            "--cluster",
+            action="store_true",
+            help="the engine on a Redis Cluster the run starts (3 primaries + 3 replicas): a failover and a "
+            "primary's data loss instead of the Redis flush",
+        )
+        parser.add_argument(
+            "--cluster-ports", type=parse_ports, help="the cluster nodes' ports, e.g. 7111-7116 (default: free ones)"
+        )
+        parser.add_argument(
+            "--replication-cut-ms",
+            type=float,
+            help="how long before the primary's SIGKILL its replica stops receiving writes (default 500; 0: none)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         config = ChaosConfig.make(
@@ -44,6 +65,12 @@ class Command(BaseCommand):
             workers=options["workers"],
             slots=options["slots"],
             requests_per_second=options["requests_per_second"],
+            quiet_timeout=options["quiet_timeout"],
+            min_seconds=options["min_seconds"],
+            max_seconds=options["max_seconds"],
+            cluster=options["cluster"] or None,
+            cluster_ports=options["cluster_ports"],
+            replication_cut_ms=options["replication_cut_ms"],
         )
         try:
             report = run(config, log=self.stdout.write)

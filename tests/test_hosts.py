@@ -22,6 +22,7 @@ import urllib.request
 from datetime import UTC, datetime
 
 from django.db import connection
+from django.test import tag
 
 from fairqueue.bench.stack import free_port
 from fairqueue.jobs.fleet import BUSY_KEY, SEEN_KEY
@@ -55,6 +56,7 @@ def http_json(url: str, key: str, body: object | None = None) -> tuple[int, obje
         return error.code, json.loads(error.read() or b"{}")
 
 
+@tag("distributed")
 class PartitionedWorkerHostTests(E2EBase):
     def setUp(self) -> None:
         super().setUp()
