@@ -18,6 +18,7 @@ from django.test.utils import CaptureQueriesContext
 from fairqueue.bench.stack import GunicornServer
 from fairqueue.jobs.models import Job, JobStatus
 from tenants.authentication import authentication_cache_clear
+from tenants.keys import SYNCED_KEY
 from tenants.policy import policy_invalidate
 from tests.base import RedisTransactionTestCase
 from tests.factories import make_tenant
@@ -159,4 +160,4 @@ class KeyCacheInvalidationTests(RedisTransactionTestCase):
         self.tenant.save(update_fields=["api_key_prefix", "api_key_hash", "api_key_rotated_at", "updated_at"])
         wait_for(lambda: self.submit(self.key) == 401, timeout=INVALIDATION_DEADLINE_S, message="old key refused")
         self.assertEqual(self.submit(new_key), 202)
-        self.assertEqual(redis.Redis.from_url(settings.REDIS_URL).exists("fq:policy:synced"), 1)
+        self.assertEqual(redis.Redis.from_url(settings.REDIS_URL).exists(SYNCED_KEY), 1)
