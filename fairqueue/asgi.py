@@ -1,4 +1,5 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels (staff only)."""
+"""ASGI entry point: HTTP through Django (static files too: fairqueue/staticfiles.py),
+websockets through Channels (staff only)."""
 
 import os
 
@@ -6,16 +7,6 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "fairqueue.settings")
 django_asgi_app = get_asgi_application()
-
-from django.conf import settings  # noqa: E402
-
-if settings.DEMO_MODE:
-    # The demo runs daphne alone, so the admin's CSS and JS are served from the apps'
-    # static folders here. Production serves /static/ from `collectstatic` output instead
-    # (a reverse proxy or a CDN).
-    from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
-
-    django_asgi_app = ASGIStaticFilesHandler(django_asgi_app)
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402

@@ -36,6 +36,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_prometheus",
+    "ninja",  # the API docs' Swagger UI from ninja's bundled static files, not a CDN
     "channels",
     "tenants",
     "fairqueue.jobs",
@@ -52,6 +53,12 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",
+    # Static files (WhiteNoise). Last and synchronous on purpose: under ASGI, Django then runs
+    # the middleware above in one thread per request; with none synchronous at the bottom it
+    # hands every process_request/process_response above to a thread one by one (about 20
+    # thread hand-offs per request, half the cost of a cheap API call). Static requests pass
+    # the other middleware first, which costs them little and happens once per browser.
+    "fairqueue.staticfiles.StaticFilesMiddleware",
 ]
 
 # `bench throughput` counts the SQL statements of every process of its stack.
@@ -186,6 +193,22 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# --- Static files ------------------------------------------------------------------------
+# The app serves /static/ itself (WhiteNoise, fairqueue/staticfiles.py), so the admin, the
+# dashboard and the API docs need no proxy rule or CDN, on-premises and offline too.
+# Production serves what `collectstatic` wrote to STATIC_ROOT: content-hashed names cached
+# for a year, gzip copies beside them. With DEBUG it serves the apps' folders directly.
+STATIC_URL = "static/"
+STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / "var" / "static")
+STATICFILES_BACKEND = "whitenoise.storage.CompressedManifestStaticFilesStorage"
+if RUNNING_TESTS:
+    # Tests render pages with DEBUG off: hashed names would need a collectstatic first
+    # (the production server's tests run one for the server they start).
+    STATICFILES_BACKEND = "django.contrib.staticfiles.storage.StaticFilesStorage"
+# Where the production server's worker processes keep request metrics that /metrics sums
+# (gunicorn.conf.py sets it for its workers; prometheus_client reads it from the environment).
+PROMETHEUS_MULTIPROC_DIR = env.str("PROMETHEUS_MULTIPROC_DIR", default="")
+
 # --- FairQueue ----------------------------------------------------------------------------
 FAIRQUEUE = {
     # Seconds a running job's hold lives without a heartbeat.
@@ -251,7 +274,7 @@ for _signal in ("MEMORY", "CPU", "PSI_CPU", "PSI_MEMORY", "PSI_IO"):
         )
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "staticfiles": {"BACKEND": STATICFILES_BACKEND},
     # Offloaded job arguments and results; swap in a django-storages backend to share it.
     "payloads": {
         "BACKEND": "django.core.files.storage.FileSystemStorage",
@@ -272,8 +295,7 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
-STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "var" / "static"
+# STATIC_URL, STATIC_ROOT and the static storage: see "Static files" above.
 
 LOGGING = {
     "version": 1,

@@ -1,4 +1,4 @@
-"""WSGI entry point (the ASGI one in asgi.py is what daphne serves)."""
+"""WSGI entry point (the ASGI one in asgi.py is what the web server serves: gunicorn.conf.py)."""
 
 import os
 
