@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.core import (
     REGISTRY,
     CounterMetricFamily,
@@ -199,3 +200,18 @@ def collector_register() -> FairQueueCollector:
             _collector = FairQueueCollector()
             REGISTRY.register(_collector)
         return _collector
+
+
+def scrape_registry(multiprocess_dir: str) -> CollectorRegistry:
+    """What `/metrics` exposes. One process: its default registry (django-prometheus's
+    request metrics and FairQueue's collector). Under the production server's several
+    worker processes (`multiprocess_dir`, PROMETHEUS_MULTIPROC_DIR, set by gunicorn.conf.py)
+    a scrape reaches any one of them, so django-prometheus's counters are summed over all
+    workers from their files, and FairQueue's collector, which reads Redis and is the same
+    from any process, is added as it is."""
+    if not multiprocess_dir:
+        return REGISTRY
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)
+    registry.register(collector_register())
+    return registry

@@ -8,8 +8,9 @@ from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
-from django_prometheus.exports import ExportToDjangoView
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dashboard.metrics import scrape_registry
 from dashboard.snapshot import HISTORY_LEN
 
 
@@ -20,7 +21,7 @@ def dashboard_page(request: HttpRequest) -> HttpResponse:
 
 
 def metrics(request: HttpRequest) -> HttpResponse:
-    """django-prometheus's exposition, behind `Authorization: Bearer <METRICS_TOKEN>` when one is set."""
+    """django-prometheus's and FairQueue's series, behind `Authorization: Bearer <METRICS_TOKEN>` when one is set."""
     token = settings.FAIRQUEUE.get("METRICS_TOKEN") or ""
     if token:
         header = request.headers.get("Authorization", "")
@@ -29,4 +30,5 @@ def metrics(request: HttpRequest) -> HttpResponse:
             response = HttpResponse("metrics require a bearer token\n", status=401, content_type="text/plain")
             response["WWW-Authenticate"] = 'Bearer realm="metrics"'
             return response
-    return ExportToDjangoView(request)
+    registry = scrape_registry(settings.PROMETHEUS_MULTIPROC_DIR)
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
