@@ -1,4 +1,5 @@
-"""A real browser on the real stack: daphne + a worker + headless Chromium driven by Playwright.
+"""A real browser on the real stack: the production web server (gunicorn + uvicorn worker
+processes) + a worker + headless Chromium driven by Playwright.
 
 Logs in through the admin as staff, opens /dashboard/, submits jobs through the HTTP API
 and sees the tenant's numbers change without a reload; then restarts the server and sees
@@ -10,10 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +21,8 @@ from django.utils import timezone
 from fairqueue.jobs.models import Job
 from tests.base import RedisTransactionTestCase
 from tests.factories import make_tenant
-from tests.workers import LOG_DIR, ROOT, WorkerProcess, worker_env
+from tests.web import web_server
+from tests.workers import ROOT, WorkerProcess
 
 # Sync Playwright runs an event loop in this thread; the ORM calls of the test itself are safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -41,51 +39,6 @@ CHROMIUM_ARGS = [
 OUTPUT = ROOT / "var" / "test-output"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Daphne:
-    """`python -m daphne` on the test database and Redis."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        self.log_path: Path = LOG_DIR / f"daphne-{port}.log"
-
-    def start(self, timeout: float = 30.0) -> None:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "fairqueue.asgi:application"],
-            cwd=ROOT,
-            env=worker_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daphne exited early; see {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"daphne did not listen in {timeout}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 class DashboardBrowserTests(RedisTransactionTestCase):
     serialized_rollback = True
 
@@ -96,10 +49,11 @@ class DashboardBrowserTests(RedisTransactionTestCase):
         get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
         self.tenant, self.key = make_tenant("acme", max_concurrency=1)
         self.slow, self.slow_key = make_tenant("slowpoke", max_concurrency=1)
-        self.server = Daphne(free_port())
+        # Two worker processes: the page and its websocket may be served by different ones.
+        self.server = web_server(production=True, workers=2)
         self.server.start()
         self.addCleanup(self.server.stop)
-        self.base = f"http://127.0.0.1:{self.server.port}"
+        self.base = self.server.base_url
 
     def submit(self, n: int, *, key: str = "", seconds: float = 4, priority: str | None = None) -> None:
         for _ in range(n):

@@ -1,5 +1,6 @@
 """Start and stop the real stack for a benchmark: fresh SQLite file, a dedicated Redis
-database, `manage.py worker` processes and (for the submit path) daphne.
+database, `manage.py worker` processes and (for the submit path) a web server: the
+production one (gunicorn + uvicorn workers) or daphne.
 
 Everything here works on explicit URLs and environments, never on this process's
 settings, so one orchestrating process can run several isolated stacks in a row.
@@ -14,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ from fairqueue.engine.cluster import connect
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "var" / "bench"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/8"
+ASGI_APP = "fairqueue.asgi:application"
 SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY (not imported: no Django needed here)
 # Settings that give a role its own server (fairqueue/settings.py, Redis section): a stack
 # inherits none from this process's environment, so its REDIS_URL serves every role unless
@@ -205,45 +209,105 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class WebServer:
-    """daphne serving fairqueue.asgi on a free local port."""
+_static_collected: set[str] = set()
 
-    def __init__(self, *, env: dict[str, str], log_dir: Path, port: int | None = None) -> None:
+
+def static_collect(env: dict[str, str]) -> None:
+    """`manage.py collectstatic` into the STATIC_ROOT of `env`, once per folder and process
+    (the production server serves hashed, compressed copies from there)."""
+    root = env.get("STATIC_ROOT", "")
+    if root in _static_collected:
+        return
+    done = subprocess.run(
+        [sys.executable, "manage.py", "collectstatic", "--noinput", "-v", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise StackError(f"collectstatic failed:\n{done.stdout}\n{done.stderr}")
+    _static_collected.add(root)
+
+
+class WebServer:
+    """fairqueue.asgi on a free local port. `production=True`: gunicorn supervising
+    `workers` uvicorn worker processes, configured by gunicorn.conf.py as in production,
+    after a collectstatic; otherwise daphne, one process, as in development."""
+
+    def __init__(
+        self,
+        *,
+        env: dict[str, str],
+        log_dir: Path,
+        port: int | None = None,
+        production: bool = False,
+        workers: int = 2,
+    ) -> None:
         self.env = env
         self.port = port or free_port()
-        self.log_path = log_dir / "web.log"
+        self.production = production
+        self.workers = workers
+        self.name = "gunicorn" if production else "daphne"
+        self.log_path = log_dir / f"web-{self.name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, *, timeout: float = 30.0) -> WebServer:
+    def argv(self) -> list[str]:
+        if not self.production:
+            return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), ASGI_APP]
+        return [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            ASGI_APP,
+            "--config",
+            str(ROOT / "gunicorn.conf.py"),
+            "--bind",
+            f"127.0.0.1:{self.port}",
+            "--workers",
+            str(self.workers),
+        ]
+
+    def start(self, *, timeout: float = 60.0) -> WebServer:
+        if self.production:
+            static_collect(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "fairqueue.asgi:application"],
+            self.argv(),
             cwd=ROOT,
             env=self.env,
-            stdout=self.log_path.open("wb"),
+            stdout=self.log_path.open("ab"),
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise StackError(f"daphne exited early; see {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.1)
+                raise StackError(f"{self.name} exited early; see {self.log_path}")
+            if self.answers():
+                return self
+            time.sleep(0.1)
         self.stop()
-        raise StackError(f"daphne did not listen within {timeout}s; see {self.log_path}")
+        raise StackError(f"{self.name} did not answer within {timeout}s; see {self.log_path}")
+
+    def answers(self) -> bool:
+        """True once the application answers HTTP (gunicorn listens before its workers boot)."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/api/v1/openapi.json", timeout=2) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.HTTPError):
+            return False
 
     def stop(self) -> None:
+        """SIGTERM: gunicorn stops its workers gracefully (open websockets are closed)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(10)
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)

@@ -1,0 +1,173 @@
+"""The production web server (gunicorn supervising uvicorn worker processes, as
+gunicorn.conf.py configures it): the API docs load from the app's own static files with no
+outside network, static files are served hashed, compressed and cached, and /metrics gives
+the same figures whichever worker process answers the scrape."""
+
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from playwright.sync_api import expect, sync_playwright
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.base import RedisTransactionTestCase
+from tests.factories import make_tenant
+from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
+from tests.web import web_server
+
+# Chromium resolves no host name but 127.0.0.1: a page needing a CDN cannot load here.
+OFFLINE_ARGS = ["--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
+WEB_WORKERS = 2
+DASHBOARD_REQUESTS_BATCH = 20
+DASHBOARD_REQUESTS_MAX = 400
+SCRAPES = 8
+REQUESTS_BY_VIEW = "django_http_requests_total_by_view_transport_method_total"
+
+
+def request(port: int, path: str, *, method: str = "GET", headers: dict[str, str] | None = None, body: bytes = b""):  # type: ignore[no-untyped-def]
+    """One request on a new connection (so the kernel may hand it to either worker process):
+    (status, headers, body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body or None, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def dashboard_requests_in(counter_file: str) -> float:
+    """What one worker process counted itself for GET /dashboard/ (its own metrics file)."""
+    for metric in MultiProcessCollector.merge([counter_file], accumulate=True):
+        for s in metric.samples:
+            if s.name == REQUESTS_BY_VIEW and s.labels.get("view") == "dashboard":
+                return s.value
+    return 0.0
+
+
+class ProductionServerTests(RedisTransactionTestCase):
+    serialized_rollback = True
+
+    def setUp(self) -> None:
+        super().setUp()
+        # The server's request metrics go to a folder of this test's, to be read below.
+        self.metrics_dir = tempfile.mkdtemp(prefix="fq-test-web-metrics-")
+        self.addCleanup(shutil.rmtree, self.metrics_dir, ignore_errors=True)
+        self.server = web_server(
+            production=True, workers=WEB_WORKERS, DEBUG="0", PROMETHEUS_MULTIPROC_DIR=self.metrics_dir
+        )
+        self.server.start()
+        self.addCleanup(self.server.stop)
+
+    def test_api_docs_load_from_the_app_with_no_outside_network(self) -> None:
+        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
+        OUTPUT.mkdir(parents=True, exist_ok=True)
+        here = f"127.0.0.1:{self.server.port}"
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + OFFLINE_ARGS, headless=True)
+            # The guard itself: an outside host does not resolve in this browser.
+            probe = browser.new_page()
+            with self.assertRaisesRegex(Exception, "ERR_NAME_NOT_RESOLVED"):
+                probe.goto("https://cdn.jsdelivr.net/npm/swagger-ui-dist/swagger-ui.css")
+            probe.close()
+
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            urls: list[str] = []
+            failed: list[str] = []
+            page.on("request", lambda r: urls.append(r.url))
+            page.on("requestfailed", lambda r: failed.append(r.url))
+            try:
+                page.goto(f"{self.server.base_url}/api/v1/docs")
+                operation = ".opblock-{} .opblock-summary-path[data-path='{}']"
+                expect(page.locator(operation.format("post", "/api/v1/jobs"))).to_be_visible(timeout=20_000)
+                expect(page.locator(operation.format("post", "/api/v1/jobs/bulk"))).to_be_visible()
+                expect(page.locator(operation.format("get", "/api/v1/limits"))).to_be_visible()
+                expect(page.locator(".info .title")).to_contain_text("FairQueue API")
+                page.screenshot(path=str(OUTPUT / "api-docs.png"), full_page=True)
+            except Exception:
+                page.screenshot(path=str(OUTPUT / "api-docs-failure.png"), full_page=True)
+                raise
+            finally:
+                browser.close()
+        network = [u for u in urls if urlsplit(u).scheme in ("http", "https", "ws", "wss")]
+        self.assertEqual([u for u in network if urlsplit(u).netloc != here], [], "requests left this server")
+        self.assertEqual(failed, [])
+        # Swagger UI came from ninja's bundled files, collected under content-hashed names.
+        self.assertTrue(
+            any(re.search(r"/static/ninja/swagger-ui-bundle\.[0-9a-f]{12}\.js$", u) for u in network), network
+        )
+        self.assertIn(f"http://{here}/api/v1/openapi.json", network)
+
+    def test_static_files_are_served_hashed_compressed_and_cached(self) -> None:
+        status, _, page = request(self.server.port, "/admin/login/")
+        self.assertEqual(status, 200)
+        css = re.search(rb'href="(/static/admin/css/base\.[0-9a-f]{12}\.css)"', page)
+        self.assertIsNotNone(css, page[:2000])
+        path = css.group(1).decode()  # type: ignore[union-attr]
+
+        status, headers, body = request(self.server.port, path, headers={"Accept-Encoding": "gzip"})
+        self.assertEqual(status, 200)
+        self.assertEqual(headers.get("content-encoding"), "gzip")
+        self.assertIn("immutable", headers["cache-control"])
+        self.assertEqual(body[:2], b"\x1f\x8b")  # a gzip stream, read whole through the async path
+
+        status, plain_headers, plain = request(self.server.port, path)
+        self.assertEqual(status, 200)
+        self.assertNotIn("content-encoding", plain_headers)
+        self.assertEqual(int(plain_headers["content-length"]), len(plain))
+        self.assertIn(b"body", plain)
+
+        status, _, nothing = request(self.server.port, path, headers={"If-None-Match": plain_headers["etag"]})
+        self.assertEqual((status, nothing), (304, b""))
+        status, head_headers, nothing = request(self.server.port, path, method="HEAD")
+        self.assertEqual((status, nothing), (200, b""))
+        self.assertEqual(head_headers["content-length"], plain_headers["content-length"])
+
+    def test_metrics_are_the_same_whichever_worker_process_answers(self) -> None:
+        _, key = make_tenant("acme", max_concurrency=1)
+        job = json.dumps({"task": "demo.sleep", "args": {"seconds": 5}}).encode()
+        auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        for _ in range(3):  # no worker runs them: one holds acme's only slot, two park
+            status, _, body = request(self.server.port, "/api/v1/jobs", method="POST", headers=auth, body=job)
+            self.assertEqual(status, 202, body)
+        # New connections until each process has served some (the kernel picks who accepts).
+        sent = 0
+        counted: list[float] = []
+        while sent < DASHBOARD_REQUESTS_MAX and sum(1 for n in counted if n) < WEB_WORKERS:
+            for _ in range(DASHBOARD_REQUESTS_BATCH):
+                status, _, _ = request(self.server.port, "/dashboard/")
+                self.assertEqual(status, 302)  # to the login page
+            sent += DASHBOARD_REQUESTS_BATCH
+            counted = [dashboard_requests_in(f) for f in glob.glob(f"{self.metrics_dir}/counter_*.db")]
+        self.assertEqual(sum(1 for n in counted if n), WEB_WORKERS, f"one process served all: {counted}")
+        self.assertEqual(sum(counted), sent)
+
+        acme = (("tenant", "acme"),)
+        for _ in range(SCRAPES):
+            status, _, text = request(self.server.port, "/metrics")
+            self.assertEqual(status, 200)
+            s = samples(text.decode())
+            # django-prometheus's counter, summed over both processes' files...
+            by_view = (REQUESTS_BY_VIEW, (("method", "GET"), ("transport", "http"), ("view", "dashboard")))
+            self.assertEqual(s[by_view], sent)
+            # ...and FairQueue's own series, read from Redis by whichever process answers.
+            self.assertEqual(s[("fairqueue_tenant_limit", acme)], 1)
+            self.assertEqual(s[("fairqueue_tenant_in_flight", acme)], 1)
+            self.assertEqual(s[("fairqueue_tenant_parked", acme)], 2)
