@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from fairqueue.bench import stack
+from fairqueue.bench.extras import extras_require
 from fairqueue.jobs.broker import JOBS_QUEUE
 
 MODES = ("fifo", "isolation", "fair", "fair_no_burst", "fair_shared_shard")
@@ -65,6 +66,8 @@ SHARD_NAME = "bench"
 SHARD_CAPACITY = 10_000  # the shard key must not be what throttles anyone here (but in fair_shared_shard)
 FIFO_QUEUE = JOBS_QUEUE
 TRACE_INTERVAL_S = 0.25
+REQUIRED_EXTRAS = ("numpy",)  # the workload and the percentiles
+PLOT_EXTRAS = ("matplotlib",)  # --plot
 
 Log = Callable[[str], None]
 
@@ -326,6 +329,7 @@ def add_arguments(parser: Any) -> None:
 
 
 def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
+    extras_require(REQUIRED_EXTRAS + (PLOT_EXTRAS if options["plot_path"] else ()), purpose="bench noisy")
     modes = [m.strip() for m in options["modes"].split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
