@@ -28,6 +28,10 @@ redis:
 migrate: venv .env
 	$(PY) manage.py migrate --noinput
 
+# Static files (admin, dashboard, API docs) into var/static, where the web server serves them.
+collectstatic: venv .env
+	$(PY) manage.py collectstatic --noinput -v 0
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -48,7 +52,7 @@ test: venv redis lint typecheck
 test-distributed: venv redis
 	$(PY) manage.py test --noinput --tag distributed $(TESTS)
 
-demo: venv redis .env migrate
+demo: venv redis .env migrate collectstatic
 	@scripts/demo.sh $(DEMO_PORT)
 
 bench-engine: venv redis .env

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole demo: seed, web server (daphne), workers and demo load. Ctrl-C stops all.
+# Run the whole demo: seed, the production web server (gunicorn + uvicorn workers, as in
+# README's Running in production), workers and demo load. Ctrl-C stops all.
 set -euo pipefail
 PORT="${1:-8000}"
 PY=.venv/bin/python
@@ -16,11 +17,22 @@ fi
 if $PY manage.py help demo_load >/dev/null 2>&1; then
   $PY manage.py demo_load --base-url "http://127.0.0.1:$PORT" > var/demo-load.log 2>&1 & pids+=($!)
 fi
-$PY -m daphne -b 127.0.0.1 -p "$PORT" fairqueue.asgi:application > var/web.log 2>&1 & pids+=($!)
-sleep 2
+# Static files are collected by `make demo` (make collectstatic); with DEBUG the server
+# also finds them in the apps' folders.
+WEB_BIND="127.0.0.1:$PORT" $PY -m gunicorn fairqueue.asgi:application --config gunicorn.conf.py \
+  > var/web.log 2>&1 & pids+=($!)
+$PY - "$PORT" <<'PY'  # wait (at most 30 s) until a worker process answers
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/api/v1/openapi.json", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.1)
+PY
 cat <<MSG
 
-  FairQueue demo is running (logs in var/).
+  FairQueue demo is running (logs in var/; web: gunicorn, ${WEB_CONCURRENCY:-2 per core} processes).
     Admin:      http://127.0.0.1:$PORT/admin/
     Dashboard:  http://127.0.0.1:$PORT/dashboard/
     API:        http://127.0.0.1:$PORT/api/v1/docs
