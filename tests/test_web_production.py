@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from django.core.handlers.asgi import ASGIHandler
+from django.test import SimpleTestCase
 from playwright.sync_api import expect, sync_playwright
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
@@ -171,3 +173,13 @@ class ProductionServerTests(RedisTransactionTestCase):
             self.assertEqual(s[("fairqueue_tenant_limit", acme)], 1)
             self.assertEqual(s[("fairqueue_tenant_in_flight", acme)], 1)
             self.assertEqual(s[("fairqueue_tenant_parked", acme)], 2)
+
+
+class MiddlewareChainTests(SimpleTestCase):
+    def test_under_asgi_the_middleware_runs_synchronously_in_one_thread(self) -> None:
+        # The static files middleware, synchronous and last, makes Django run every middleware
+        # above it in sync mode; in async mode each of their hooks is a thread hand-off.
+        handler = ASGIHandler()
+        modes = {type(hook.__self__).__name__: hook.__self__.async_mode for hook in handler._view_middleware}
+        self.assertIn("CsrfViewMiddleware", modes)
+        self.assertEqual({name for name, is_async in modes.items() if is_async}, set())
