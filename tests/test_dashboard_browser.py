@@ -50,7 +50,7 @@ class DashboardBrowserTests(RedisTransactionTestCase):
         self.tenant, self.key = make_tenant("acme", max_concurrency=1)
         self.slow, self.slow_key = make_tenant("slowpoke", max_concurrency=1)
         # Two worker processes: the page and its websocket may be served by different ones.
-        self.server = web_server(production=True, workers=2)
+        self.server = web_server(production=True, processes=2)
         self.server.start()
         self.addCleanup(self.server.stop)
         self.base = self.server.base_url

@@ -72,7 +72,7 @@ class ProductionServerTests(RedisTransactionTestCase):
         self.metrics_dir = tempfile.mkdtemp(prefix="fq-test-web-metrics-")
         self.addCleanup(shutil.rmtree, self.metrics_dir, ignore_errors=True)
         self.server = web_server(
-            production=True, workers=WEB_WORKERS, DEBUG="0", PROMETHEUS_MULTIPROC_DIR=self.metrics_dir
+            production=True, processes=WEB_WORKERS, DEBUG="0", PROMETHEUS_MULTIPROC_DIR=self.metrics_dir
         )
         self.server.start()
         self.addCleanup(self.server.stop)

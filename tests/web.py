@@ -10,11 +10,13 @@ from tests.workers import LOG_DIR, ROOT, worker_env
 STATIC_ROOT = ROOT / "var" / "test-static"
 
 
-def web_server(*, production: bool = True, workers: int = 2, **env: str) -> WebServer:
-    """A server (not started) whose processes use the test database, Redis and STATIC_ROOT."""
+def web_server(*, production: bool = True, processes: int = 2, **env: str) -> WebServer:
+    """A server (not started) whose processes use the test database, Redis and STATIC_ROOT,
+    with the static files collected there."""
     return WebServer(
         env=worker_env(STATIC_ROOT=str(STATIC_ROOT), **env),
         log_dir=LOG_DIR,
         production=production,
-        workers=workers,
+        processes=processes,
+        collect_static=True,
     )

@@ -15,11 +15,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import redis
 
@@ -230,10 +228,35 @@ def static_collect(env: dict[str, str]) -> None:
     _static_collected.add(root)
 
 
+def gunicorn_argv(*, port: int, processes: int) -> list[str]:
+    """The production web server (README): gunicorn supervising uvicorn worker processes,
+    with gunicorn.conf.py's settings (metrics across processes, no control socket)."""
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        ASGI_APP,
+        "--config",
+        str(ROOT / "gunicorn.conf.py"),
+        "-k",
+        "uvicorn_worker.UvicornWorker",
+        "-w",
+        str(processes),
+        "--bind",
+        f"127.0.0.1:{port}",
+    ]
+
+
+def daphne_argv(*, port: int) -> list[str]:
+    """The development server: one daphne process."""
+    return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), ASGI_APP]
+
+
 class WebServer:
-    """fairqueue.asgi on a free local port. `production=True`: gunicorn supervising
-    `workers` uvicorn worker processes, configured by gunicorn.conf.py as in production,
-    after a collectstatic; otherwise daphne, one process, as in development."""
+    """fairqueue.asgi on a free local port: daphne, one process, as in development; or with
+    `production=True` gunicorn supervising `processes` uvicorn worker processes, ready once
+    every process has started. `collect_static=True` runs collectstatic first (needed for
+    pages, not for the API)."""
 
     def __init__(
         self,
@@ -242,12 +265,14 @@ class WebServer:
         log_dir: Path,
         port: int | None = None,
         production: bool = False,
-        workers: int = 2,
+        processes: int = 2,
+        collect_static: bool = False,
     ) -> None:
         self.env = env
         self.port = port or free_port()
         self.production = production
-        self.workers = workers
+        self.processes = processes if production else 1
+        self.collect_static = collect_static
         self.name = "gunicorn" if production else "daphne"
         self.log_path = log_dir / f"web-{self.name}-{self.port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -256,28 +281,16 @@ class WebServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def argv(self) -> list[str]:
-        if not self.production:
-            return [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), ASGI_APP]
-        return [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            ASGI_APP,
-            "--config",
-            str(ROOT / "gunicorn.conf.py"),
-            "--bind",
-            f"127.0.0.1:{self.port}",
-            "--workers",
-            str(self.workers),
-        ]
-
-    def start(self, *, timeout: float = 60.0) -> WebServer:
-        if self.production:
+    def start(self, *, timeout: float = 60.0) -> Self:
+        if self.collect_static:
             static_collect(self.env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_from = self.log_path.stat().st_size if self.log_path.exists() else 0  # a restart appends
+        argv = (
+            gunicorn_argv(port=self.port, processes=self.processes) if self.production else daphne_argv(port=self.port)
+        )
         self.proc = subprocess.Popen(
-            self.argv(),
+            argv,
             cwd=ROOT,
             env=self.env,
             stdout=self.log_path.open("ab"),
@@ -288,19 +301,29 @@ class WebServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise StackError(f"{self.name} exited early; see {self.log_path}")
-            if self.answers():
+            if self.ready(log_from):
                 return self
             time.sleep(0.1)
         self.stop()
-        raise StackError(f"{self.name} did not answer within {timeout}s; see {self.log_path}")
+        raise StackError(f"{self.name} did not start within {timeout}s; see {self.log_path}")
 
-    def answers(self) -> bool:
-        """True once the application answers HTTP (gunicorn listens before its workers boot)."""
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/api/v1/openapi.json", timeout=2) as response:
-                return bool(response.status == 200)
-        except (OSError, urllib.error.HTTPError):
-            return False
+    def argv(self) -> list[str]:
+        if self.production:
+            return gunicorn_argv(port=self.port, processes=self.processes)
+        return daphne_argv(port=self.port)
+
+    def ready(self, log_from: int) -> bool:
+        """gunicorn: every worker process says it started (gunicorn listens before they
+        boot); daphne: it accepts connections."""
+        if not self.production:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return True
+            except OSError:
+                return False
+        with self.log_path.open("rb") as log:
+            log.seek(log_from)
+            return log.read().count(b"Application startup complete") >= self.processes
 
     def stop(self) -> None:
         """SIGTERM: gunicorn stops its workers gracefully (open websockets are closed)."""
@@ -312,11 +335,18 @@ class WebServer:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> WebServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class GunicornServer(WebServer):
+    """The production server with `processes` worker processes (the benchmarks' name for it)."""
+
+    def __init__(self, *, env: dict[str, str], log_dir: Path, processes: int, port: int | None = None) -> None:
+        super().__init__(env=env, log_dir=log_dir, port=port, production=True, processes=processes)
 
 
 def run_child(module: str, args: list[str], *, env: dict[str, str], timeout: float) -> None:
@@ -324,51 +354,3 @@ def run_child(module: str, args: list[str], *, env: dict[str, str], timeout: flo
     done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=timeout)
     if done.returncode:
         raise StackError(f"{module} {' '.join(args)} failed with exit code {done.returncode}")
-
-
-def gunicorn_argv(*, port: int, processes: int) -> list[str]:
-    """The production web server (README): gunicorn supervising uvicorn worker processes."""
-    return [
-        sys.executable,
-        "-m",
-        "gunicorn",
-        "fairqueue.asgi:application",
-        "-k",
-        "uvicorn_worker.UvicornWorker",
-        "-w",
-        str(processes),
-        "--bind",
-        f"127.0.0.1:{port}",
-    ]
-
-
-class GunicornServer(WebServer):
-    """`processes` gunicorn + uvicorn worker processes serving fairqueue.asgi on a free port;
-    ready once every process answers (each opens its own accept loop)."""
-
-    def __init__(self, *, env: dict[str, str], log_dir: Path, processes: int, port: int | None = None) -> None:
-        super().__init__(env=env, log_dir=log_dir, port=port)
-        self.processes = processes
-
-    def start(self, *, timeout: float = 60.0) -> GunicornServer:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            gunicorn_argv(port=self.port, processes=self.processes),
-            cwd=ROOT,
-            env=self.env,
-            stdout=self.log_path.open("wb"),
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise StackError(f"gunicorn exited early; see {self.log_path}")
-            if self.log_path.read_text(errors="replace").count("Application startup complete") >= self.processes:
-                return self
-            time.sleep(0.1)
-        self.stop()
-        raise StackError(f"gunicorn's {self.processes} processes did not start within {timeout}s; see {self.log_path}")
-
-    def __enter__(self) -> GunicornServer:
-        return self.start()
