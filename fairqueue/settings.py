@@ -55,9 +55,8 @@ MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusAfterMiddleware",
     # Static files (WhiteNoise). Last and synchronous on purpose: under ASGI, Django then runs
     # the middleware above in one thread per request; with none synchronous at the bottom it
-    # hands every process_request/process_response above to a thread one by one (about 20
-    # thread hand-offs per request, half the cost of a cheap API call). Static requests pass
-    # the other middleware first, which costs them little and happens once per browser.
+    # hands every process_request/process_response above to a thread one by one (docs/web.md).
+    # Static requests pass the other middleware first: little cost, once per browser.
     "fairqueue.staticfiles.StaticFilesMiddleware",
 ]
 
