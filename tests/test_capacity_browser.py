@@ -1,4 +1,4 @@
-"""The dashboard's capacity chart and worker table in a real browser (daphne, real
+"""The dashboard's capacity chart and worker table in a real browser (the production server, real
 workers, headless Chromium): slots live, desired and the forecast drawn from the job
 history, and a worker under memory pressure saying why it offers fewer slots.
 
@@ -29,8 +29,9 @@ from fairqueue.jobs.submission import JobRequest, job_submit
 from tests import worker_tasks  # noqa: F401  (registers test.hog here, to submit it)
 from tests.base import RedisTransactionTestCase
 from tests.factories import make_tenant
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT, Daphne, free_port
+from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
 from tests.test_forecast import history_jobs
+from tests.web import web_server
 from tests.workers import WorkerProcess, wait_for
 
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -76,10 +77,10 @@ class CapacityBrowserTests(RedisTransactionTestCase):
                 history_jobs(self.tenant, hours=[hour + timedelta(hours=offset)], busy=busy)
         profiles_refresh()
         seed_chart_history(self.redis, time.time())
-        self.server = Daphne(free_port())
+        self.server = web_server(production=True, processes=2)
         self.server.start()
         self.addCleanup(self.server.stop)
-        self.base = f"http://127.0.0.1:{self.server.port}"
+        self.base = self.server.base_url
 
     def test_capacity_chart_and_worker_backpressure_in_a_real_browser(self) -> None:
         from playwright.sync_api import expect, sync_playwright  # heavy, and only this test needs it
