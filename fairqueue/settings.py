@@ -5,7 +5,8 @@ from pathlib import Path
 
 import environ
 from django.core.exceptions import ImproperlyConfigured
-from kombu import Exchange, Queue
+
+from fairqueue.queues import JOBS_QUEUE, UnsupportedBroker, broker_transport_options, task_queues
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
@@ -154,7 +155,16 @@ CHANNEL_LAYERS = {
 }
 
 # --- Celery -----------------------------------------------------------------------------
+# Redis (the default: REDIS_URL) or RabbitMQ (amqp://user:password@host:5672/vhost);
+# fairqueue/queues.py says how each one keeps the latency classes' strict order.
 CELERY_BROKER_URL = _role_url("CELERY_BROKER_URL")
+try:
+    CELERY_TASK_QUEUES = task_queues(CELERY_BROKER_URL)
+except UnsupportedBroker as exc:
+    raise ImproperlyConfigured(f"CELERY_BROKER_URL: {exc}") from exc
+CELERY_BROKER_TRANSPORT_OPTIONS = broker_transport_options(
+    CELERY_BROKER_URL, visibility_timeout=env.int("FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600)
+)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 # A delivery is acknowledged when its task ends: a worker then holds at most one message
@@ -171,25 +181,14 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A worker outlives a broker outage of any length (it keeps retrying) rather than exiting.
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
-# Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes these two
-# queues: latency classes are message priorities in fq.jobs (0 = highest class), and the
-# batch lane is read only when fq.jobs is empty (fairqueue/jobs/broker.py).
-CELERY_TASK_QUEUES = tuple(Queue(name, Exchange(name), routing_key=name) for name in ("fq.jobs", "fq.batch"))
-CELERY_TASK_DEFAULT_QUEUE = "fq.jobs"
+# Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes CELERY_TASK_QUEUES:
+# latency classes are message priorities in fq.jobs, and the batch lane is read only when
+# no class waits (fq.batch on Redis, the lowest priority of fq.jobs on RabbitMQ).
+CELERY_TASK_DEFAULT_QUEUE = JOBS_QUEUE
 # Jobs renew their leases from a thread of the process that runs them, and the fleet
 # registry counts them there: a FairQueue worker runs the threads pool.
 CELERY_WORKER_POOL = env("FAIRQUEUE_WORKER_POOL", default="threads")
 CELERY_WORKER_CONCURRENCY = env.int("FAIRQUEUE_WORKER_SLOTS", default=4)
-CELERY_BROKER_TRANSPORT_OPTIONS = {
-    # Strict priority: fq.jobs before fq.batch, and within fq.jobs one list per level,
-    # read highest first, instead of kombu's round robin.
-    "queue_order_strategy": "priority",
-    "priority_steps": list(range(10)),
-    # The engine's leases re-deliver work from dead workers; the broker's own
-    # re-delivery is only a late safety net, so it must not fire on long jobs.
-    "visibility_timeout": env.int("FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600),
-    "global_keyprefix": "fq:celery:",
-}
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
 # --- Static files ------------------------------------------------------------------------

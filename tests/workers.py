@@ -25,7 +25,8 @@ LOG_DIR = ROOT / "var" / "test-logs"
 
 def worker_env(**overrides: str) -> dict[str, str]:
     """Point a child process at the test Redis database and the test SQLite file. Every role
-    uses REDIS_URL unless `overrides` give it a URL of its own (ROLE_URL_VARIABLES)."""
+    uses REDIS_URL unless `overrides` give it a URL of its own (ROLE_URL_VARIABLES), but for
+    the broker of a test class on RabbitMQ (tests/rabbitmq.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ROLE_URL_VARIABLES}
     db = connection.settings_dict
     if db["ENGINE"].endswith("sqlite3"):
@@ -37,6 +38,8 @@ def worker_env(**overrides: str) -> dict[str, str]:
             f"postgres://{quote(db['USER'], safe='')}{password}@{host}:{db['PORT'] or 5432}/{db['NAME']}"
         )
     env["REDIS_URL"] = settings.REDIS_URL
+    if settings.CELERY_BROKER_URL != settings.REDIS_URL:
+        env["CELERY_BROKER_URL"] = settings.CELERY_BROKER_URL
     env["FAIRQUEUE_DEMO"] = "1"
     env.update(overrides)
     return env

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from fairqueue.engine import KeyLimit
+from fairqueue.queues import PRIORITY_LEVELS
 from tenants.limits import LimitBreakdown, tenant_limit
 from tenants.policy import PolicySnapshot, TenantPolicy
 
@@ -21,7 +22,6 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
 BATCH_PRIORITY = 0
-PRIORITY_LEVELS = 10  # broker priority levels (kombu's priority_steps, fairqueue/settings.py)
 
 
 def shard_tag(shard: str) -> str:

@@ -1,21 +1,24 @@
 """Publishing job deliveries to the broker, over long-lived pooled producers.
 
-Every worker consumes the same two queues, so no admin edit can leave work in a queue
-nobody reads: `fq.jobs`, where a latency class is a message priority (strict: kombu's
-priority lists are read highest first), and `fq.batch`, the idle-capacity lane, read
-after it. A delivery's route travels through the engine as its opaque data string: the
-priority level, or BATCH_ROUTE.
+Every worker consumes the same queues, so no admin edit can leave work in a queue nobody
+reads: `fq.jobs`, where a latency class is a message priority read strictly highest
+first, and the idle-capacity batch lane, read only when no class waits (fairqueue/queues.py
+says how on Redis and on RabbitMQ). A delivery's route travels through the engine as its
+opaque data string: the class level, or BATCH_ROUTE; the broker it is published to turns
+it into a queue and a message priority.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from fairqueue.celery import app
+from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, message_target
+
+__all__ = ["BATCH_QUEUE", "JOBS_QUEUE", "deliveries_publish", "delivery_publish", "delivery_route", "split_engine_id"]
 
 RUN_TASK_NAME = "fairqueue.run_job"
-JOBS_QUEUE = "fq.jobs"
-BATCH_QUEUE = "fq.batch"
 BATCH_ROUTE = "batch"
 DEFAULT_LEVEL = 5  # a route this code does not know (an older version's) still runs
 
@@ -31,10 +34,11 @@ def delivery_route(*, level: int, batch: bool) -> str:
     return BATCH_ROUTE if batch else str(level)
 
 
-def _queue_and_priority(route: str) -> tuple[str, int | None]:
+def route_level(route: str) -> int | None:
+    """The class level a route names, or None for the batch lane."""
     if route == BATCH_ROUTE:
-        return BATCH_QUEUE, None
-    return JOBS_QUEUE, int(route) if route.isdigit() else DEFAULT_LEVEL
+        return None
+    return int(route) if route.isdigit() else DEFAULT_LEVEL
 
 
 def delivery_publish(engine_id: str, route: str) -> None:
@@ -62,11 +66,24 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
     # thread meant a new connection per request under ASGI, which runs each request in a
     # thread of its own.
     with app.producer_pool.acquire(block=True) as producer, producer.batch(max_size=max(len(deliveries), 1)):
+        amqp = producer.connection.transport.driver_type == "amqp"
         for engine_id, route in deliveries:
             job_id, gen = split_engine_id(engine_id)
-            queue, priority = _queue_and_priority(route)
-            # declare=[]: the queue needs no declaring to publish to it (the anonymous
-            # exchange pushes to it by name), and declaring cost a third of each publish.
+            queue, priority = message_target(route_level(route), amqp=amqp)
             app.send_task(
-                RUN_TASK_NAME, args=[job_id, gen], queue=queue, priority=priority, producer=producer, declare=[]
+                RUN_TASK_NAME,
+                args=[job_id, gen],
+                queue=queue,
+                priority=priority,
+                producer=producer,
+                declare=_declarations(queue, amqp=amqp),
             )
+
+
+def _declarations(queue: str, *, amqp: bool) -> list[Any]:
+    """What a publish declares first. On Redis nothing: the anonymous exchange pushes to a
+    list by name, and declaring cost a third of each publish. RabbitMQ drops a message
+    routed to a queue that does not exist yet (no worker has started since the broker
+    was new), so there the queue is declared, with its priorities: kombu remembers it per
+    connection, so that is one round trip per pooled connection."""
+    return [app.amqp.queues[queue]] if amqp else []

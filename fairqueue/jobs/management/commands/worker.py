@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from fairqueue.celery import app
-from fairqueue.jobs.broker import BATCH_QUEUE
+from fairqueue.queues import BATCH_QUEUE, broker_is_amqp
 
 
 class Command(BaseCommand):
@@ -31,5 +31,10 @@ class Command(BaseCommand):
             if opts[option] is not None:
                 argv.append(f"--{option}={opts[option]}")
         if opts["no_batch"]:
+            if broker_is_amqp(app.conf.broker_url):
+                raise CommandError(
+                    "--no-batch needs the Redis broker: on RabbitMQ the batch lane is the lowest "
+                    "priority of fq.jobs (fairqueue/queues.py), which every worker reads"
+                )
             argv.append(f"--exclude-queues={BATCH_QUEUE}")
         app.worker_main(argv)
