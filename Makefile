@@ -8,7 +8,7 @@ export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
-.PHONY: demo test test-distributed lint typecheck venv redis migrate clean bench-engine bench-noisy chaos chaos-cluster
+.PHONY: demo test test-distributed lint typecheck venv redis rabbitmq migrate clean bench-engine bench-noisy chaos chaos-cluster
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -19,6 +19,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 
 redis:
 	@scripts/ensure_redis.sh
+
+# The broker tests (tests/test_brokers.py) run the jobs end to end on RabbitMQ too.
+rabbitmq:
+	@scripts/ensure_rabbitmq.sh
 
 # A local checkout run through `make demo` is a demo environment: manage.py commands
 # (bench, chaos, shell) then work without a SECRET_KEY. Never created in production.
@@ -42,7 +46,7 @@ typecheck: venv
 	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard
 
 TESTS ?= tests
-test: venv redis lint typecheck
+test: venv redis rabbitmq lint typecheck
 	$(PY) manage.py test --noinput --exclude-tag distributed $(TESTS)
 
 # The tests that start a Redis Cluster of their own (3 primaries + 3 replicas on free local

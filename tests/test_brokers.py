@@ -7,8 +7,14 @@ run again with every message going through a RabbitMQ virtual host of their own.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 from django.conf import settings
 from django.core.management import CommandError, call_command
@@ -16,6 +22,8 @@ from django.test import SimpleTestCase, override_settings
 from kombu import Consumer
 from kombu.message import Message
 
+from fairqueue.bench.noisy import BROKER_COMPARED
+from fairqueue.bench.stack import amqp_queues_waiting
 from fairqueue.celery import app
 from fairqueue.jobs.broker import delivery_publish, delivery_route
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
@@ -32,7 +40,8 @@ from fairqueue.queues import (
 )
 from tests import test_jobs_e2e as e2e
 from tests.base import RedisTestCase
-from tests.rabbitmq import RabbitMQBrokerMixin
+from tests.rabbitmq import RabbitMQBrokerMixin, Vhost
+from tests.test_bench_noisy import ROOT, bench_redis_url
 from tests.workers import WorkerProcess, wait_for
 
 # (route, name) in publishing order; a worker must take them in ORDER_EXPECTED.
@@ -153,3 +162,33 @@ class WorkerLossOnRabbitMQTests(RabbitMQBrokerMixin, e2e.WorkerLossTests):
         self.assertEqual((row.attempts, row.worker_losses, row.worker), (2, 1, survivor.hostname))
         self.assertEqual(LedgerEntry.objects.get(job_id=row.id).writes, 1)
         self.assertEqual(self.vhost.ready_count(), 0)
+
+
+class BenchNoisyBrokerSmokeTests(SimpleTestCase):
+    def test_the_fair_mode_runs_on_both_brokers_in_one_run(self) -> None:
+        url = bench_redis_url()
+        vhost = Vhost("fq_bench_test").create()
+        self.addCleanup(vhost.delete)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "noisy.json"
+            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL")}
+            argv = ["--smoke", "--modes", "fair", "--redis-url", url, "--broker-url", vhost.url, "--json", str(out)]
+            done = subprocess.run(
+                [sys.executable, "manage.py", "bench", "noisy", *argv],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
+            doc = json.loads(out.read_text())
+        self.assertEqual(list(doc["brokers"]), ["redis", "amqp"])
+        self.assertEqual(doc["brokers"]["amqp"]["url"], f"amqp://127.0.0.1:5672/{vhost.name}")  # no credentials
+        for broker in doc["brokers"].values():
+            fair = broker["modes"]["fair"]
+            self.assertEqual((fair["jobs"], fair["failed"]), (doc["workload"]["jobs_planned"], 0))
+        self.assertEqual(doc["modes"], doc["brokers"]["redis"]["modes"])
+        self.assertEqual(set(doc["broker_comparison"]["amqp"]["fair"]), set(BROKER_COMPARED))
+        self.assertIn("amqp / redis, fair:", done.stdout)
+        self.assertEqual(amqp_queues_waiting(vhost.url), 0, "the bench must leave its virtual host empty")

@@ -56,9 +56,12 @@ from typing import Any
 
 from fairqueue.bench import stack
 from fairqueue.bench.extras import extras_require
-from fairqueue.jobs.broker import JOBS_QUEUE
+from fairqueue.queues import JOBS_QUEUE
 
 MODES = ("fifo", "isolation", "fair", "fair_no_burst", "fair_shared_shard")
+REDIS_BROKER = "redis"  # the bench's own Redis database (--redis-url) as the Celery broker
+# Figures compared between brokers (another broker's over Redis's, same mode, same run).
+BROKER_COMPARED = ("quiet_p50_wait_s", "quiet_p99_wait_s", "noisy_p99_wait_s", "noisy_makespan_s", "utilization")
 BACKLOG_GRACE_S = 0.1
 QUIET_PREFIX = "quiet-"
 NOISY_SLUG = "noisy"
@@ -326,6 +329,16 @@ def add_arguments(parser: Any) -> None:
         help="a PostgreSQL server URL (e.g. postgres://postgres@127.0.0.1:5432/): each mode gets a fresh "
         "database fq_bench_<mode> on it instead of a SQLite file",
     )
+    parser.add_argument(
+        "--broker-url",
+        dest="broker_urls",
+        action="append",
+        default=[],
+        metavar="AMQP_URL",
+        help="also run every mode with this RabbitMQ broker (amqp://user:password@host:5672/vhost, a virtual "
+        "host for the bench alone: its FairQueue queues are deleted); repeatable. Each mode runs on the "
+        "Redis broker (--redis-url) first and then on each of these, so the figures compare within one run",
+    )
 
 
 def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
@@ -345,8 +358,33 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         database_url=options.get("database_url"),
         workers=options.get("workers"),
         slots_per_worker=options.get("slots_per_worker"),
+        broker_urls=options.get("broker_urls") or (),
         log=log,
     )
+
+
+def broker_names(broker_urls: Sequence[str]) -> list[tuple[str, str | None]]:
+    """(name, URL) of every broker a run uses: Redis (its URL is --redis-url) first, then
+    "amqp" (or amqp1, amqp2, ... when several are given)."""
+    extra = [("amqp" if len(broker_urls) == 1 else f"amqp{i + 1}", url) for i, url in enumerate(broker_urls)]
+    return [(REDIS_BROKER, None), *extra]
+
+
+def broker_comparison(by_broker: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per other broker and mode: each compared figure and its ratio to Redis's."""
+    base = by_broker.get(REDIS_BROKER, {})
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, modes in by_broker.items():
+        if name == REDIS_BROKER:
+            continue
+        for mode, figures in modes.items():
+            row: dict[str, Any] = {}
+            for key in BROKER_COMPARED:
+                mine, theirs = figures.get(key), base.get(mode, {}).get(key)
+                ratio = round(mine / theirs, 3) if (mine is not None and theirs) else None
+                row[key] = {name: mine, REDIS_BROKER: theirs, "ratio": ratio}
+            out.setdefault(name, {})[mode] = row
+    return out
 
 
 def run(
@@ -360,9 +398,10 @@ def run(
     database_url: str | None = None,
     workers: int | None = None,
     slots_per_worker: int | None = None,
+    broker_urls: Sequence[str] = (),
     log: Log = print,
 ) -> dict[str, Any]:
-    """Run every mode on a fresh stack; return the result document."""
+    """Run every mode on a fresh stack (on each broker); return the result document."""
     workload = PRESETS[preset]
     if seed is not None:
         workload = replace(workload, seed=seed)
@@ -371,6 +410,10 @@ def run(
     if slots_per_worker:
         workload = replace(workload, slots_per_worker=slots_per_worker)
     stack.redis_db_prepare(redis_url, force=force)
+    brokers = broker_names(broker_urls)
+    for _, url in brokers:
+        if url is not None:
+            stack.amqp_broker_prepare(url, force=force)
     work_dir = stack.BENCH_DIR
     work_dir.mkdir(parents=True, exist_ok=True)
     template = work_dir / "noisy-template.sqlite3"
@@ -378,45 +421,61 @@ def run(
     log(f"bench noisy ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots, seed {workload.seed}")
     if database_url is None:
         stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
-    results: dict[str, dict[str, Any]] = {}
-    raw: dict[str, list[dict[str, Any]]] = {}
+    by_broker: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in brokers}
+    raw_by_broker: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name, _ in brokers}
     traces: dict[str, Any] = {}
     try:
+        # Brokers alternate within each mode, so a drift of this machine's speed during
+        # the run lands on both alike.
         for mode in modes:
-            t0 = time.monotonic()
-            stack.redis_db_flush(redis_url)
-            db_path = work_dir / f"noisy-{mode}.sqlite3"
-            if database_url is None:
-                for suffix in ("", "-wal", "-shm"):
-                    Path(f"{db_path}{suffix}").unlink(missing_ok=True)
-                db_path.write_bytes(template.read_bytes())
-                env = stack.stack_env(redis_url=redis_url, db_path=db_path)
-            else:
-                mode_url = stack.fresh_postgres(database_url, f"fq_bench_{mode}")
-                env = stack.stack_env(redis_url=redis_url, db_path=db_path, database_url=mode_url)
-                stack.migrate(env)
-            with tempfile.TemporaryDirectory() as tmp:
-                spec = Path(tmp) / "spec.json"
-                out = Path(tmp) / "out.json"
-                spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload)}))
-                stack.run_child(
-                    "fairqueue.bench.noisy", ["--child", str(spec), str(out)], env=env, timeout=_timeout(workload)
-                )
-                child = json.loads(out.read_text())
-            raw[mode] = child["records"]
-            results[mode] = mode_metrics(child["records"], slots=workload.slots)
-            results[mode]["trace"] = child.get("trace_summary")
-            traces[mode] = child.get("trace", [])
-            log(f"  {mode:<14} {len(child['records'])} jobs in {time.monotonic() - t0:.1f}s")
+            for broker, broker_url in brokers:
+                t0 = time.monotonic()
+                stack.redis_db_flush(redis_url)
+                if broker_url is not None:
+                    stack.amqp_broker_flush(broker_url)
+                db_path = work_dir / f"noisy-{mode}.sqlite3"
+                # Without its own broker, the stack's Redis database is the broker too.
+                broker_env = {"CELERY_BROKER_URL": broker_url} if broker_url else {}
+                if database_url is None:
+                    for suffix in ("", "-wal", "-shm"):
+                        Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+                    db_path.write_bytes(template.read_bytes())
+                    env = stack.stack_env(redis_url=redis_url, db_path=db_path, **broker_env)
+                else:
+                    mode_url = stack.fresh_postgres(database_url, f"fq_bench_{mode}")
+                    env = stack.stack_env(redis_url=redis_url, db_path=db_path, database_url=mode_url, **broker_env)
+                    stack.migrate(env)
+                with tempfile.TemporaryDirectory() as tmp:
+                    spec = Path(tmp) / "spec.json"
+                    out = Path(tmp) / "out.json"
+                    spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload)}))
+                    stack.run_child(
+                        "fairqueue.bench.noisy", ["--child", str(spec), str(out)], env=env, timeout=_timeout(workload)
+                    )
+                    child = json.loads(out.read_text())
+                raw_by_broker[broker][mode] = child["records"]
+                figures = mode_metrics(child["records"], slots=workload.slots)
+                figures["trace"] = child.get("trace_summary")
+                by_broker[broker][mode] = figures
+                traces[mode if broker == REDIS_BROKER else f"{mode}@{broker}"] = child.get("trace", [])
+                log(f"  {mode:<14} {broker:<6} {len(child['records'])} jobs in {time.monotonic() - t0:.1f}s")
     finally:
         stack.redis_db_flush(redis_url)
+        for _, url in brokers:
+            if url is not None:
+                stack.amqp_broker_flush(url)
+    results, raw = by_broker[REDIS_BROKER], raw_by_broker[REDIS_BROKER]
     trace_path = work_dir / "noisy-trace.json"
     trace_path.write_text(json.dumps(traces) + "\n")
     (work_dir / "noisy-records.json").write_text(json.dumps(raw) + "\n")  # per-job timings, to recompute
+    for broker, broker_raw in raw_by_broker.items():
+        if broker != REDIS_BROKER:
+            (work_dir / f"noisy-records-{broker}.json").write_text(json.dumps(broker_raw) + "\n")
     doc: dict[str, Any] = {
         "modes": results,
         "workload": {**asdict(workload), "preset": preset, "slots": workload.slots, "jobs_planned": None},
         "database": "postgresql" if database_url else "sqlite",
+        "broker": REDIS_BROKER,  # of "modes" and "targets"; "brokers" has every broker's figures
         "definitions": {
             "wait": "started - submitted (FairQueue: Job.started_at - Job.submitted_at)",
             "utilization": f"busy slot-seconds (task bodies) inside backlog periods / (slots x backlog seconds); "
@@ -429,6 +488,16 @@ def run(
         "elapsed_s": round(time.monotonic() - started, 1),
     }
     doc["workload"]["jobs_planned"] = len(workload_plan(workload))
+    if len(brokers) > 1:
+        doc["brokers"] = {
+            name: {
+                "url": stack.broker_label(url or redis_url),
+                "modes": by_broker[name],
+                "targets": targets_check(by_broker[name]),
+            }
+            for name, url in brokers
+        }
+        doc["broker_comparison"] = broker_comparison(by_broker)
     doc["all_targets_met"] = (
         all(t["met"] for name, t in doc["targets"].items() if "informational" not in t["target"]) if results else False
     )
@@ -454,24 +523,45 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+REPORT_COLUMNS = (
+    ("quiet_p50_wait_s", "quiet p50"),
+    ("quiet_p99_wait_s", "quiet p99"),
+    ("noisy_p50_wait_s", "noisy p50"),
+    ("noisy_p99_wait_s", "noisy p99"),
+    ("noisy_makespan_s", "noisy makespan"),
+    ("utilization", "util (backlog)"),
+    ("jobs_per_s", "jobs/s"),
+    ("jobs", "jobs"),
+    ("mean_job_s", "mean job"),
+)
+
+
+def _table(modes: dict[str, dict[str, Any]], *, label: str = "mode") -> list[str]:
+    widths = [max(len(h), 8) for _, h in REPORT_COLUMNS]
+    lines = [f"{label:<14} " + " ".join(f"{h:>{w}}" for (_, h), w in zip(REPORT_COLUMNS, widths, strict=True))]
+    for mode, m in modes.items():
+        lines.append(
+            f"{mode:<14} " + " ".join(f"{_fmt(m[k]):>{w}}" for (k, _), w in zip(REPORT_COLUMNS, widths, strict=True))
+        )
+    return lines
+
+
 def report_lines(doc: dict[str, Any]) -> list[str]:
-    cols = [
-        ("quiet_p50_wait_s", "quiet p50"),
-        ("quiet_p99_wait_s", "quiet p99"),
-        ("noisy_p50_wait_s", "noisy p50"),
-        ("noisy_p99_wait_s", "noisy p99"),
-        ("noisy_makespan_s", "noisy makespan"),
-        ("utilization", "util (backlog)"),
-        ("jobs_per_s", "jobs/s"),
-        ("jobs", "jobs"),
-        ("mean_job_s", "mean job"),
-    ]
-    widths = [max(len(h), 8) for _, h in cols]
-    lines = ["", f"{'mode':<14} " + " ".join(f"{h:>{w}}" for (_, h), w in zip(cols, widths, strict=True))]
-    for mode, m in doc["modes"].items():
-        lines.append(f"{mode:<14} " + " ".join(f"{_fmt(m[k]):>{w}}" for (k, _), w in zip(cols, widths, strict=True)))
+    brokers = doc.get("brokers", {})
+    lines = [""]
+    if brokers:
+        for name, broker in brokers.items():
+            lines += [f"broker {name} ({broker['url']})", *_table(broker["modes"]), ""]
+    else:
+        lines += _table(doc["modes"])
     lines.append("(waits and makespan in seconds)")
+    for name, modes in doc.get("broker_comparison", {}).items():
+        for mode, row in modes.items():
+            detail = ", ".join(f"{k} {_fmt(v['ratio'])}" for k, v in row.items())
+            lines.append(f"{name} / {REDIS_BROKER}, {mode}: {detail}")
     lines.append("")
+    if brokers:
+        lines.append(f"targets on the {REDIS_BROKER} broker:")
     for name, t in doc["targets"].items():
         verdict = {True: "PASS", False: "MISS", None: "n/a "}[t["met"]]
         detail = ", ".join(f"{k}={_fmt(v)}" for k, v in t.items() if k not in ("target", "met"))

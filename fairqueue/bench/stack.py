@@ -1,6 +1,7 @@
 """Start and stop the real stack for a benchmark: fresh SQLite file, a dedicated Redis
-database, `manage.py worker` processes and (for the submit path) a web server: the
-production one (gunicorn + uvicorn workers) or daphne.
+database (and, when asked, a RabbitMQ virtual host as the broker), `manage.py worker`
+processes and (for the submit path) a web server: the production one (gunicorn +
+uvicorn workers) or daphne.
 
 Everything here works on explicit URLs and environments, never on this process's
 settings, so one orchestrating process can run several isolated stacks in a row.
@@ -18,10 +19,14 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import redis
+from amqp.exceptions import NotFound
+from kombu import Connection
 
 from fairqueue.engine.cluster import connect
+from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = ROOT / "var" / "bench"
@@ -59,6 +64,60 @@ def redis_db_prepare(url: str, *, force: bool) -> None:
 
 def redis_db_flush(url: str) -> None:
     redis.Redis.from_url(url).flushdb()
+
+
+def amqp_broker_check(url: str) -> None:
+    """Refuse anything but a RabbitMQ URL (the Redis broker is the bench's own database)."""
+    if not broker_is_amqp(url):
+        raise StackError(f"--broker-url takes an amqp:// URL, not {url!r}: the Redis broker is --redis-url")
+
+
+def amqp_queues_waiting(url: str) -> int:
+    """Messages waiting in FairQueue's queues on the RabbitMQ virtual host at `url`."""
+    waiting = 0
+    with Connection(url, connect_timeout=5) as conn:
+        for name in (JOBS_QUEUE, BATCH_QUEUE):
+            channel = conn.channel()
+            try:
+                _, count, _ = channel.queue_declare(name, passive=True)
+                waiting += count
+            except NotFound:  # never declared here (the error closes the channel)
+                continue
+            channel.close()
+    return waiting
+
+
+def amqp_broker_prepare(url: str, *, force: bool) -> None:
+    """Check the bench's RabbitMQ virtual host answers and holds no FairQueue messages
+    (unless forced: the bench deletes its queues), then empty it."""
+    amqp_broker_check(url)
+    try:
+        waiting = amqp_queues_waiting(url)
+    except OSError as exc:
+        raise StackError(
+            f"no RabbitMQ answers at {url} ({exc}); create the virtual host first "
+            "(rabbitmqctl add_vhost NAME; rabbitmqctl set_permissions -p NAME USER '.*' '.*' '.*')"
+        ) from exc
+    if waiting and not force:
+        raise StackError(
+            f"{url} holds {waiting} messages in {JOBS_QUEUE}/{BATCH_QUEUE}; the benchmark deletes those "
+            "queues. Point --broker-url at a virtual host of its own or pass --force."
+        )
+    amqp_broker_flush(url)
+
+
+def amqp_broker_flush(url: str) -> None:
+    """Delete FairQueue's queues on the virtual host (with their messages): each run declares
+    them afresh, with the arguments of the code under test."""
+    with Connection(url, connect_timeout=5) as conn:
+        for name in (JOBS_QUEUE, BATCH_QUEUE):
+            conn.default_channel.queue_delete(name)
+
+
+def broker_label(url: str) -> str:
+    """A broker URL without its credentials, for reports."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or ''}{parts.path}"
 
 
 def stack_env(*, redis_url: str, db_path: Path, database_url: str | None = None, **extra: str) -> dict[str, str]:
