@@ -95,12 +95,12 @@ class Vhost:
 
 def _celery_conf_apply(conf: dict[str, Any]) -> None:
     app.conf.update(conf)
-    # Drop what the app built for the previous broker: its connection pool, and the amqp
-    # helper holding the declared queues, the router and the producer pool.
-    pool = app._pool
+    # Forget what the app built for the previous broker: its connection pool, and the amqp
+    # helper holding the declared queues, the router and the producer pool. The pools
+    # themselves stay open in kombu's registry, keyed by broker URL, so switching back
+    # finds them working (closing one would close it for good); those of a test class's
+    # virtual host end when the host is deleted.
     app._pool = None
-    if pool is not None:
-        pool.force_close_all()
     app.__dict__.pop("amqp", None)
 
 
