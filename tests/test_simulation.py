@@ -13,9 +13,10 @@ from django.test import SimpleTestCase
 from fairqueue.engine.ops import flow_cost
 from fairqueue.jobs.admission import LiveSignals
 from fairqueue.jobs.limits_plan import limits_plan
-from fairqueue.simulation.calibration import JobTiming, Latencies, latencies_measure
+from fairqueue.simulation.calibration import Latencies, latencies_measure
 from fairqueue.simulation.engine_model import EngineModel
-from fairqueue.simulation.scheduler import Arrival, SimConfig, SimResult, percentile, simulate
+from fairqueue.simulation.records import Arrival, JobTiming
+from fairqueue.simulation.scheduler import SimConfig, SimResult, percentile, simulate
 from tenants.policy import ClassPolicy, PolicySnapshot, PoolPolicy, ShardPolicy, TenantPolicy
 from tests.test_engine_model import Model
 
@@ -213,15 +214,23 @@ class LatencyCalibration(SimpleTestCase):
         jobs = [
             # admitted at submit into an idle pool: admit 0.002, dispatch 0.010
             JobTiming(submitted=0.0, admitted=0.002, started=0.012, finished=1.0, worker="w1"),
-            # parked, woken by that finish: handoff 0.03 (not an admit sample)
+            # parked, woken by that finish (not an admit or dispatch sample); its slot was
+            # the one that freed at 1.0, but it was not ready before: no turnaround either
             JobTiming(submitted=0.5, admitted=1.0, started=1.03, finished=2.0, worker="w1"),
-            # ready long before w1's finish at 2.0, started 0.02 after it: turnaround
-            JobTiming(submitted=1.5, admitted=1.5, started=2.02, finished=3.0, worker="w1"),
+            # admitted at submit while w1's one slot was busy, started 0.05 after it freed
+            JobTiming(submitted=1.5, admitted=1.5, started=2.05, finished=3.0, worker="w1"),
         ]
         lat = latencies_measure(jobs, slots=1)
-        self.assertEqual(lat.admit, (0.0, 0.002))  # the third was admitted at submit too
+        self.assertEqual(lat.admit, (0.0, 0.002))
         self.assertEqual(lat.dispatch, (0.010,))
-        self.assertAlmostEqual(lat.handoff[0], 0.03)
-        # Only the third: the woken one was not ready before w1's finish (it was woken by it).
         self.assertEqual(len(lat.turnaround), 1)
-        self.assertAlmostEqual(lat.turnaround[0], 0.02)
+        self.assertAlmostEqual(lat.turnaround[0], 0.05)
+
+    def test_a_slot_that_waited_picks_up_a_message_later_one_that_did_not_at_once(self) -> None:
+        # One slot. Job 1 finds it idle: starts a dispatch (0.1) after its admit (0.01).
+        # Job 2 waits in the broker for it: starts a turnaround (0.3) after job 1 ends.
+        arrivals = [Arrival(at=0.0, tenant="a", duration=1.0), Arrival(at=0.2, tenant="a", duration=1.0)]
+        lat = Latencies(admit=(0.01,), dispatch=(0.1,), turnaround=(0.3,))
+        result = simulate(arrivals, policy=policy(tenant("a")), shard="s", config=SimConfig(slots=1, latencies=lat))
+        self.assertAlmostEqual(result.job_waits[0], 0.11)
+        self.assertAlmostEqual(result.job_waits[1], 0.11 + 1.0 + 0.3 - 0.2)

@@ -12,13 +12,14 @@ What is modelled, and with which code:
   `live.rate_from_ring`), the exponentially weighted mean of finished durations, the slots,
   the engine's in-flight count; then `set_limits` on the shard's keys (the batch key's via
   `admission.batch_limits`), which hands on where a limit rose.
-- **Dispatch**: a job admitted at submit reaches the broker an *admit* plus a *dispatch*
-  latency after it was submitted, a woken one a *handoff* latency after the release or
-  refresh that woke it; workers' `slots` take messages by latency class (strict priority,
-  FIFO within), the batch lane only when nothing else waits. A slot is busy for the job's
-  measured duration and takes its next message a *turnaround* after the job ends (ack,
-  fetch, claim); the job's keys are released when it ends (the release hands slots on in
-  the same step). These latencies are drawn per job (seeded) from distributions
+- **Dispatch**: a job admitted at submit reaches the broker an *admit* latency after it
+  was submitted, a woken one at once (the process that woke it publishes it); workers'
+  `slots` take messages by latency class (strict priority, FIFO within), the batch lane
+  only when nothing else waits. A slot that was idle starts its message a *dispatch*
+  latency later (fetch, claim); a slot is busy for the job's measured duration and is
+  free again a *turnaround* after the job ends (ack, fetch, claim: a message that waited
+  for it starts then). The job's keys are released when it ends (the release hands slots
+  on in the same step). These latencies are drawn per job (seeded) from distributions
   measured on the replayed rows (`calibration.latencies_measure`).
 - **Batch promotion**: a batch job still parked after BATCH_PROMOTE_AT of the batch
   objective leaves the batch lane and is admitted again like any job.
@@ -35,6 +36,7 @@ the same. Every engine operation is O(log n).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 import random
@@ -57,6 +59,7 @@ from fairqueue.jobs.duties import BATCH_PROMOTE_AT
 from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
 from fairqueue.simulation.calibration import Latencies
 from fairqueue.simulation.engine_model import EngineModel, KeySpec
+from fairqueue.simulation.records import Arrival
 from tenants.policy import PolicySnapshot
 
 # The duty tick's period: fairqueue.jobs.worker.TICK_SECONDS, jittered like the worker's
@@ -69,19 +72,6 @@ DEFAULT_SAMPLES = 120
 STRANDED_TICKS = 20
 
 _FINISH, _SLOT_FREE, _READY, _PROMOTE = 0, 1, 2, 3
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One submitted job as the replay needs it."""
-
-    at: float  # submit time, unix seconds
-    tenant: str
-    duration: float  # measured: finished_at - started_at
-    sub_tenant: str = ""
-    latency_class: str = "default"
-    priority: int = 0  # the engine priority it was admitted with (its class's rank)
-    batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,8 +178,7 @@ class _Replay:
         self.start = 0.0  # set by run
         self.rng = random.Random(config.seed)
         self.admit_latency = config.latencies.admit
-        self.dispatch_latency = config.latencies.dispatch
-        self.handoff_latency = config.latencies.handoff
+        self.pickup_latency = config.latencies.dispatch
         self.turnaround_latency = config.latencies.turnaround
         self.plan: LimitsPlan | None = None  # the last tick's
         # The submitting process's caches (see specs).
@@ -203,8 +192,9 @@ class _Replay:
         self.last_bucket = -1
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
-        self.broker: list[tuple[int, int, int, int]] = []  # (lane, level, seq, job)
-        self.free = config.slots
+        self.broker: list[tuple[int, int, int, int, float]] = []  # (lane, level, seq, job, ready at)
+        # When each free slot freed (-inf: never used), the longest-free first.
+        self.free_slots: collections.deque[float] = collections.deque([-math.inf] * config.slots)
         self.levels = {name: class_level(policy, name) for name in policy.classes}
         self.default_level = class_level(policy, "default")
         # Per engine job id: the arrival index, and whether it sits in the batch lane.
@@ -354,17 +344,18 @@ class _Replay:
         for w in woken:
             self.dispatch(w, now)
         if admitted:
-            self.dispatch(job, now, self.draw(self.admit_latency) + self.draw(self.dispatch_latency))
+            self.dispatch(job, now, self.draw(self.admit_latency))
         elif batch_lane:
             promote_at = a.at + self.policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT
             self.push(max(promote_at, now), _PROMOTE, job)
 
     def dispatch(self, job: int, now: float, delay: float | None = None) -> None:
-        """Publish a job that got all its keys; it reaches the broker `delay` later (by
-        default a handoff latency: a woken job, published by the process that woke it)."""
+        """Publish a job that got all its keys: it enters the broker `delay` later (a job
+        admitted at submit: the web process's admit latency), or now (a job woken by a
+        release or a refresh: the process that woke it publishes it at once)."""
         if delay is None:
             self.parked -= 1
-            delay = self.draw(self.handoff_latency)
+            delay = 0.0
         if delay > 0:
             self.push(now + delay, _READY, job)
         else:
@@ -374,22 +365,27 @@ class _Replay:
         a = self.arrivals[self.index[job]]
         lane = 1 if self.in_batch[job] else 0
         self.seq += 1
-        heapq.heappush(self.broker, (lane, self.levels.get(a.latency_class, self.default_level), self.seq, job))
+        level = self.levels.get(a.latency_class, self.default_level)
+        heapq.heappush(self.broker, (lane, level, self.seq, job, now))
         self.start_jobs(now)
 
     def start_jobs(self, now: float) -> None:
-        broker, end = self.broker, self.config.end
-        while self.free > 0 and broker:
-            job = heapq.heappop(broker)[3]
+        """Free slots take the broker's head messages. A slot that waited for its message
+        starts the job a pickup latency later (the worker fetches and claims it); one the
+        message waited for starts it at once, its turnaround having covered that."""
+        broker, free, end = self.broker, self.free_slots, self.config.end
+        while free and broker:
+            freed = free.popleft()
+            _, _, _, job, ready_at = heapq.heappop(broker)
+            start = now + self.draw(self.pickup_latency) if ready_at >= freed else now
             index = self.index[job]
             a = self.arrivals[index]
-            self.free -= 1
             self.running += 1
-            self.job_waits[index] = now - a.at
+            self.job_waits[index] = start - a.at
             self.waiting[a.tenant] -= 1
             self.waiting_total -= 1
-            finish = now + a.duration
-            self.busy += max(0.0, (min(finish, end) if end is not None else finish) - max(now, self.start))
+            finish = start + a.duration
+            self.busy += max(0.0, (min(finish, end) if end is not None else finish) - max(start, self.start))
             self.push(finish, _FINISH, job)
 
     def finish(self, job: int, now: float) -> None:
@@ -406,7 +402,7 @@ class _Replay:
         if turnaround > 0:
             self.push(now + turnaround, _SLOT_FREE, job)
         else:
-            self.free += 1
+            self.free_slots.append(now)
             self.start_jobs(now)
 
     def promote(self, job: int, now: float) -> None:
@@ -495,7 +491,7 @@ class _Replay:
             elif kind == _READY:
                 self.ready(job, at)
             elif kind == _SLOT_FREE:
-                self.free += 1
+                self.free_slots.append(at)
                 self.start_jobs(at)
             else:
                 self.promote(job, at)
