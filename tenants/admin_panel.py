@@ -80,7 +80,7 @@ def _rows(c: WhatIfComparison) -> list[dict[str, Any]]:
         )
     rows.append(
         {
-            "tenant": "pool utilisation (while jobs waited)",
+            "tenant": "pool use (while jobs waited)",
             "jobs": "",
             "p50_now": f"{_share(c.current.utilisation)} ({_share(c.current.backlog_utilisation)})",
             "p50_new": f"{_share(c.proposed.utilisation)} ({_share(c.proposed.backlog_utilisation)})",

@@ -13,7 +13,7 @@ from django.test import SimpleTestCase
 from fairqueue.engine.ops import flow_cost
 from fairqueue.jobs.admission import LiveSignals
 from fairqueue.jobs.limits_plan import limits_plan
-from fairqueue.simulation.calibration import Latencies, latencies_measure
+from fairqueue.simulation.calibration import Distribution, Latencies, latencies_measure
 from fairqueue.simulation.engine_model import EngineModel
 from fairqueue.simulation.records import Arrival, JobTiming
 from fairqueue.simulation.scheduler import SimConfig, SimResult, percentile, simulate
@@ -168,7 +168,9 @@ class SchedulerScenarios(SimpleTestCase):
         )
         snapshot = policy(tenant("a", max_concurrency=3, floor=1), tenant("b"), tenant("c"), capacity=10)
         for slots in (4, 16):
-            result = self.run_sim(arrivals, snapshot, slots=slots, latencies=Latencies(turnaround=(0.01, 0.05)))
+            result = self.run_sim(
+                arrivals, snapshot, slots=slots, latencies=Latencies(turnaround=Distribution.flat((0.01, 0.05)))
+            )
             done = starts(arrivals, result)
             self.assertEqual(len(done), len(arrivals), "every job runs")
             self.assertLessEqual(peak([(s, e) for s, e, _ in done]), min(slots, 10))
@@ -210,6 +212,17 @@ class SchedulerScenarios(SimpleTestCase):
 
 
 class LatencyCalibration(SimpleTestCase):
+    def test_latencies_are_drawn_at_the_activity_they_were_measured_at(self) -> None:
+        # 60 quick samples while idle, 60 slow ones while busy: three levels of activity.
+        samples = [(0.1, 0.01)] * 60 + [(3.0, 0.5)] * 60
+        dist = Distribution.of(samples)
+        self.assertEqual(len(dist.levels), 3)
+        self.assertEqual(dist.draw(0.5, 0.0), 0.01)
+        self.assertEqual(dist.draw(0.5, 5.0), 0.5)
+        self.assertEqual(len(Distribution.of(samples[:30] + samples[-6:]).levels), 3)
+        self.assertEqual(Distribution.of(samples[:20]).levels, ((0.01,) * 20,))  # too few: one level
+        self.assertEqual(Distribution().draw(0.5, 1.0), 0.0)
+
     def test_measures_each_latency_where_it_applies(self) -> None:
         jobs = [
             # admitted at submit into an idle pool: admit 0.002, dispatch 0.010
@@ -221,16 +234,18 @@ class LatencyCalibration(SimpleTestCase):
             JobTiming(submitted=1.5, admitted=1.5, started=2.05, finished=3.0, worker="w1"),
         ]
         lat = latencies_measure(jobs, slots=1)
-        self.assertEqual(lat.admit, (0.0, 0.002))
-        self.assertEqual(lat.dispatch, (0.010,))
-        self.assertEqual(len(lat.turnaround), 1)
-        self.assertAlmostEqual(lat.turnaround[0], 0.05)
+        self.assertEqual(lat.admit.values(), [0.0, 0.002])
+        self.assertEqual(lat.dispatch.values(), [0.010])
+        self.assertEqual(len(lat.turnaround.values()), 1)
+        self.assertAlmostEqual(lat.turnaround.values()[0], 0.05)
 
     def test_a_slot_that_waited_picks_up_a_message_later_one_that_did_not_at_once(self) -> None:
         # One slot. Job 1 finds it idle: starts a dispatch (0.1) after its admit (0.01).
         # Job 2 waits in the broker for it: starts a turnaround (0.3) after job 1 ends.
         arrivals = [Arrival(at=0.0, tenant="a", duration=1.0), Arrival(at=0.2, tenant="a", duration=1.0)]
-        lat = Latencies(admit=(0.01,), dispatch=(0.1,), turnaround=(0.3,))
+        lat = Latencies(
+            admit=Distribution.flat((0.01,)), dispatch=Distribution.flat((0.1,)), turnaround=Distribution.flat((0.3,))
+        )
         result = simulate(arrivals, policy=policy(tenant("a")), shard="s", config=SimConfig(slots=1, latencies=lat))
         self.assertAlmostEqual(result.job_waits[0], 0.11)
         self.assertAlmostEqual(result.job_waits[1], 0.11 + 1.0 + 0.3 - 0.2)

@@ -23,7 +23,8 @@ from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.simulation.bench_trace import trace_jobs
 from fairqueue.simulation.calibration import latencies_measure
 from fairqueue.simulation.scheduler import SimConfig, percentile, simulate
-from tenants.models import PoolSettings, Shard, Tenant
+from tenants.models import PoolSettings, Tenant
+from tenants.policy import PolicySnapshot
 from tenants.whatif import policy_from_database
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
@@ -35,14 +36,27 @@ TOLERANCE = 0.25
 SEEDS = 7  # the model draws latencies: the median over seeds is its prediction
 
 
-def finished_jobs(
-    tenant: Tenant, *, count: int, start: Any, spacing: float, seconds: float, rnd: random.Random
+def shard_history(
+    workload: list[tuple[Tenant, int, float, float]], *, start: Any, slots: int, seconds: float, rnd: random.Random
 ) -> None:
-    """Rows of jobs that ran back to back from `start`, as the replay reads them."""
-    rows = []
-    for i in range(count):
-        submitted = start + timedelta(seconds=i * spacing)
-        started = submitted + timedelta(seconds=0.01)
+    """Rows of finished jobs as a shard of `slots` slots ran them, first come first served:
+    for each (tenant, count, spacing, offset) a job every `spacing` seconds from `offset`
+    seconds after `start`, each about `seconds` long."""
+    arrivals = sorted(
+        (
+            (start + timedelta(seconds=offset + i * spacing), tenant)
+            for tenant, count, spacing, offset in workload
+            for i in range(count)
+        ),
+        key=lambda arrival: arrival[0],
+    )
+    free = [start] * slots
+    rows, submits = [], []
+    for submitted, tenant in arrivals:
+        slot = min(range(slots), key=lambda k: free[k])
+        started = max(submitted, free[slot]) + timedelta(seconds=0.01)
+        finished = started + timedelta(seconds=seconds * rnd.uniform(0.5, 1.5))
+        free[slot] = finished
         rows.append(
             Job(
                 tenant=tenant,
@@ -53,13 +67,22 @@ def finished_jobs(
                 engine_tag=f"s:{tenant.shard.name}",
                 admitted_at=submitted + timedelta(seconds=0.002),
                 started_at=started,
-                finished_at=started + timedelta(seconds=seconds * rnd.uniform(0.5, 1.5)),
-                worker="w1",
+                finished_at=finished,
+                worker=f"w{slot % 2}",
             )
         )
+        submits.append(submitted)
     created = Job.objects.bulk_create(rows)
-    for job, row in zip(created, rows, strict=True):  # submitted_at is auto_now_add: set it after
-        Job.objects.filter(pk=job.pk).update(submitted_at=row.admitted_at - timedelta(seconds=0.002))
+    for job, submitted in zip(created, submits, strict=True):  # submitted_at is auto_now_add: set it after
+        Job.objects.filter(pk=job.pk).update(submitted_at=submitted)
+
+
+def rows_of_a_busy_half_hour(steady: Tenant, bursty: Tenant) -> None:
+    """A steady tenant's job every 5 s and, five minutes in, a burst of 400 from another,
+    on 8 slots."""
+    start = timezone.now() - timedelta(minutes=30)
+    workload = [(steady, 300, 5.0, 0.0), (bursty, 400, 0.01, 300.0)]
+    shard_history(workload, start=start, slots=8, seconds=2.0, rnd=random.Random(5))
 
 
 class RowsTestCase(RedisTestCase):
@@ -70,10 +93,7 @@ class RowsTestCase(RedisTestCase):
         with self.captureOnCommitCallbacks(execute=True):
             self.steady, _ = make_tenant("steady", floor=1, shard_capacity=8)
             self.bursty, _ = make_tenant("bursty", floor=1, shard_capacity=8)
-        rnd = random.Random(5)
-        start = timezone.now() - timedelta(minutes=30)
-        finished_jobs(self.steady, count=300, start=start, spacing=5.0, seconds=2.0, rnd=rnd)
-        finished_jobs(self.bursty, count=400, start=start + timedelta(minutes=5), spacing=0.01, seconds=2.0, rnd=rnd)
+        rows_of_a_busy_half_hour(self.steady, self.bursty)
 
 
 class WhatIfOnRows(RowsTestCase):
@@ -239,15 +259,15 @@ class ReplayOfARecordedBench(RedisTestCase):
     quiet and noisy P50/P99 waits are within 25 % of the measured ones."""
 
     def test_simulated_waits_match_the_measured_ones(self) -> None:
-        for path in sorted(FIXTURES.glob("noisy-*.json")):
-            with self.subTest(fixture=path.name):
-                self.check(json.loads(path.read_text()))
-
-    def check(self, trace: dict[str, Any]) -> None:
-        Shard.objects.filter(name="bench").delete()
-        Tenant.objects.all().delete()
-        _policy_setup("fair", PRESETS["quick"])
+        _policy_setup("fair", PRESETS["quick"])  # the bench's own tenants, shard and pool
         policy = policy_from_database()
+        paths = sorted(FIXTURES.glob("noisy-*.json"))
+        self.assertTrue(paths)
+        for path in paths:
+            with self.subTest(fixture=path.name):
+                self.check(json.loads(path.read_text()), policy)
+
+    def check(self, trace: dict[str, Any], policy: PolicySnapshot) -> None:
         arrivals, timings = trace_jobs(trace)
         slots = trace["slots"]
         latencies = latencies_measure(timings, slots=slots)

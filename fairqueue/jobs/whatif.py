@@ -36,7 +36,7 @@ SERIES_SAMPLES = 120
 # job waits; a refresh costs about as much as a few jobs. Past this many jobs a replay
 # refreshes proportionally less often, to keep 1,000x real time on a day of a busy shard;
 # the comparison says which period it used.
-JOBS_AT_FULL_REFRESH = 400_000
+JOBS_AT_FULL_REFRESH = 1_000_000
 
 
 class Replay:
@@ -83,7 +83,7 @@ class Replay:
                 )
             )
             if admitted is not None:
-                self.timings.append(JobTiming(submitted.timestamp(), admitted.timestamp(), s, f, worker))
+                self.timings.append(JobTiming(submitted.timestamp(), admitted.timestamp(), s, f, worker, slug))
         history = Job.objects.filter(
             engine_tag=tag, submitted_at__gte=start - timedelta(seconds=rate_window_seconds), submitted_at__lt=start
         )

@@ -61,7 +61,7 @@ def trace_jobs(trace: dict[str, Any]) -> tuple[list[Arrival], list[JobTiming]]:
     arrivals, timings = [], []
     for tenant, submitted, admitted, started, finished, worker in trace["jobs"]:
         arrivals.append(Arrival(at=submitted, tenant=tenants[tenant], duration=max(finished - started, 0.0)))
-        timings.append(JobTiming(submitted, admitted, started, finished, workers[worker]))
+        timings.append(JobTiming(submitted, admitted, started, finished, workers[worker], tenants[tenant]))
     return arrivals, timings
 
 

@@ -21,10 +21,11 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class JobTiming:
-    """A finished job's timestamps (unix seconds) and the worker that ran it."""
+    """A finished job's timestamps (unix seconds), the worker that ran it, its tenant."""
 
     submitted: float
     admitted: float
     started: float
     finished: float
     worker: str = ""
+    tenant: str = ""

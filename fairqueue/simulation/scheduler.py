@@ -6,7 +6,8 @@ What is modelled, and with which code:
   `fairqueue.jobs.admission.admission_plan` (sub-tenant, tenant or batch key, shard key),
   with the signals of the last limit refresh, as a web process caches them; the engine's
   decision is `engine_model.EngineModel` (same rules as the Lua).
-- **The limit refresh** every `refresh_seconds` (the duty tick runs every 0.5 s):
+- **The limit refresh** every `refresh_seconds` (the duty tick runs every 0.5 s; the model
+  every IDLE_REFRESH_SECONDS while no job waits for a slot):
   `fairqueue.jobs.limits_plan.limits_plan` (fair shares, idle shares, the limit formula of
   tenants.limits) on simulated signals: submissions per rate-ring interval (median, as
   `live.rate_from_ring`), the exponentially weighted mean of finished durations, the slots,
@@ -57,7 +58,7 @@ from fairqueue.jobs.admission import (
 )
 from fairqueue.jobs.duties import BATCH_PROMOTE_AT
 from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
-from fairqueue.simulation.calibration import Latencies
+from fairqueue.simulation.calibration import ACTIVITY_WINDOW_S, Distribution, Latencies
 from fairqueue.simulation.engine_model import EngineModel, KeySpec
 from fairqueue.simulation.records import Arrival
 from tenants.policy import PolicySnapshot
@@ -66,6 +67,9 @@ from tenants.policy import PolicySnapshot
 # ticker (0.5x to 1.5x of it, uniformly).
 REFRESH_SECONDS = 0.5
 REFRESH_JITTER = (0.5, 1.5)
+# While no job waits for a slot (none parked, none in the broker), the model refreshes this
+# often instead: the time a refresh costs goes to the periods where it decides something.
+IDLE_REFRESH_SECONDS = 2.0
 DEFAULT_SAMPLES = 120
 # After its last event, a replay with jobs still waiting ticks the refresh this many more
 # times (a raised limit may free them) before it calls them stranded.
@@ -193,6 +197,8 @@ class _Replay:
         self.events: list[tuple[float, int, int, int]] = []
         self.seq = 0
         self.broker: list[tuple[int, int, int, int, float]] = []  # (lane, level, seq, job, ready at)
+        self.clock = 0.0  # the time of the step being processed (draw reads it)
+        self.recent_starts: collections.deque[float] = collections.deque()  # start times, last window
         # When each free slot freed (-inf: never used), the longest-free first.
         self.free_slots: collections.deque[float] = collections.deque([-math.inf] * config.slots)
         self.levels = {name: class_level(policy, name) for name in policy.classes}
@@ -322,8 +328,13 @@ class _Replay:
             hit = cached[cache_key] = (key_specs(plan.keys), plan.priority)
         return hit
 
-    def draw(self, samples: tuple[float, ...]) -> float:
-        return samples[int(self.rng.random() * len(samples))] if samples else 0.0
+    def draw(self, latency: Distribution) -> float:
+        """A latency at the model's current activity (jobs started in the last window, per
+        slot), as the stack showed it at that activity."""
+        now, starts = self.clock, self.recent_starts
+        while starts and starts[0] <= now - ACTIVITY_WINDOW_S:
+            starts.popleft()
+        return latency.draw(self.rng.random(), len(starts) / max(self.config.slots, 1))
 
     # --- events -------------------------------------------------------------------------
     def push(self, at: float, kind: int, job: int) -> None:
@@ -378,6 +389,7 @@ class _Replay:
             freed = free.popleft()
             _, _, _, job, ready_at = heapq.heappop(broker)
             start = now + self.draw(self.pickup_latency) if ready_at >= freed else now
+            self.recent_starts.append(now)
             index = self.index[job]
             a = self.arrivals[index]
             self.running += 1
@@ -418,6 +430,7 @@ class _Replay:
     def advance(self, now: float) -> None:
         """Account the time since the last step: slot-seconds busy while a backlog existed
         (a job parked, or ready in the broker with no slot free)."""
+        self.clock = now
         if self.parked > 0 or self.broker:
             dt = now - self.last_step
             self.backlog_seconds += dt
@@ -434,6 +447,7 @@ class _Replay:
         horizon = (config.end if config.end is not None else (arrivals[-1].at if n else self.start)) - self.start
         step = max(horizon, config.refresh_seconds) / max(config.samples, 1)
         next_refresh, next_sample = self.start, self.start
+        last_refresh, thinned = self.start, False
         series_t: list[float] = []
         series_waiting: list[int] = []
         by_tenant: dict[str, list[int]] = {slug: [] for slug in self.tenants}
@@ -455,10 +469,23 @@ class _Replay:
                 # Nobody waits: a refresh before t could wake nobody, and one at t leaves the
                 # next admission what the last of them would have (nothing changes between).
                 next_refresh = t
+            if thinned and (self.parked or self.broker):
+                # Jobs wait again: back to the fleet's period, from the last refresh.
+                thinned = False
+                next_refresh = max(
+                    self.clock, last_refresh + config.refresh_seconds * self.rng.uniform(*REFRESH_JITTER)
+                )
+                continue
             if next_refresh <= t:
                 self.advance(next_refresh)
                 self.refresh(next_refresh)
-                next_refresh += config.refresh_seconds * self.rng.uniform(*REFRESH_JITTER)
+                last_refresh, period = next_refresh, config.refresh_seconds
+                thinned = self.parked == 0 and not self.broker and period < IDLE_REFRESH_SECONDS
+                if thinned:
+                    # Nothing waits for a slot: a refresh could wake nobody, and only what
+                    # it publishes for the next admissions (the shares) would be newer.
+                    period = IDLE_REFRESH_SECONDS
+                next_refresh += period * self.rng.uniform(*REFRESH_JITTER)
                 continue
             if next_sample <= t:
                 series_t.append(round(next_sample - self.start, 3))

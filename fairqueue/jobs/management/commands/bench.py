@@ -1,5 +1,5 @@
-"""``python manage.py bench <name>``: benchmarks, one subcommand each (``engine`` now;
-``noisy`` and ``submit`` plug in as further subparsers)."""
+"""``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
+``engine-ab``, ``noisy``, ``submit``, ``whatif``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fairqueue.bench import engine_bench, noisy, submit
+from fairqueue.bench import engine_bench, noisy, submit, whatif_bench
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -17,7 +17,9 @@ class Command(BaseCommand):
     help = "Run a FairQueue benchmark and print (and optionally write as JSON) its figures."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        subparsers = parser.add_subparsers(dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit}")
+        subparsers = parser.add_subparsers(
+            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,whatif}"
+        )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
         engine.add_argument(
@@ -32,6 +34,10 @@ class Command(BaseCommand):
         ab.add_argument("--redis-url", default="redis://127.0.0.1:6379/12", help="an EMPTY Redis database")
         noisy.add_arguments(subparsers.add_parser("noisy", help="noisy neighbour: fifo vs isolation vs fair"))
         submit.add_arguments(subparsers.add_parser("submit", help="jobs accepted/s: REST single, bulk, send_task"))
+        whatif = subparsers.add_parser("whatif", help="the what-if model's speed on a synthetic day of a busy shard")
+        whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
+        whatif.add_argument("--hours", type=float, default=None, help="simulated hours (default 24; 1 with --quick)")
+        whatif.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["bench"] == "engine":
@@ -50,6 +56,10 @@ class Command(BaseCommand):
                 )
             except RuntimeError as exc:
                 raise CommandError(str(exc)) from exc
+        elif options["bench"] == "whatif":
+            if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
+                raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
+            result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
         elif options["bench"] in ("noisy", "submit"):
             module = noisy if options["bench"] == "noisy" else submit
             try:
