@@ -15,6 +15,7 @@ from typing import Any
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
+from django.test import SimpleTestCase
 from django.urls import reverse
 from django.utils import timezone
 
@@ -290,3 +291,23 @@ class ReplayOfARecordedBench(RedisTestCase):
         print(f"\n{trace['source']}: {said}")
         for name, (want, simulated) in figures.items():
             self.assertLessEqual(abs(simulated - want), TOLERANCE * want, f"{name}: {figures}")
+
+
+class SpeedBenchSmoke(SimpleTestCase):
+    """`manage.py bench whatif --quick` runs and writes its figures (their shape: the speed
+    itself is a figure for docs/whatif.md, not a test's business)."""
+
+    def test_quick_bench_writes_its_figures(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "whatif.json"
+            out = StringIO()
+            call_command("bench", "whatif", "--quick", "--json", str(path), stdout=out)
+            doc = json.loads(path.read_text())
+        self.assertIn("x real time", out.getvalue())
+        self.assertEqual(doc["hours"], 1.0)
+        self.assertGreater(doc["jobs"], 10_000)
+        self.assertEqual(doc["stranded"], 0)
+        self.assertGreater(doc["peak_waiting"], 1000)  # the burst queues up
+        self.assertGreater(doc["simulated_s_per_wall_s"], 0)
+        with self.assertRaisesMessage(CommandError, "--hours must be more than 0"):
+            call_command("bench", "whatif", "--hours", "0", stdout=StringIO())

@@ -71,9 +71,12 @@ def job_eta(job: Job) -> JobEta:
         slots, mean = _tenant_view(policy, job.tenant.slug, tenant_key_waited=state.parked_on)
     except redis.RedisError:
         return JobEta()
+    dispatch, run = _recent_jobs(job)
+    if mean is None:  # no moving average yet (nothing finished, or not flushed to Redis yet)
+        mean = run if run is not None else _shard_run_seconds(tag)
     if mean is None:
         mean = policy.pool.default_job_seconds
-    mean += _dispatch_seconds(job)
+    mean += dispatch
     ahead = state.position - 1
     fleet_slots = live.fleet_state().slots
     slots = max(key.limit or 0, slots or 0)
@@ -89,36 +92,50 @@ def job_eta(job: Job) -> JobEta:
     )
 
 
-def _dispatch_seconds(job: Job) -> float:
-    """The tenant's recent wait between getting its slots and starting (the broker, a
-    worker's pick-up and claim): a key's slot is held for that long before the job runs.
-    From its last DISPATCH_SAMPLE started jobs, found through the (tenant, status,
-    submitted_at) index."""
+def _recent_jobs(job: Job) -> tuple[float, float | None]:
+    """From the tenant's last DISPATCH_SAMPLE started jobs (found through the (tenant,
+    status, submitted_at) index): the median wait between getting their slots and starting
+    (the broker, a worker's pick-up and claim: a key's slot is held for that long before
+    the job runs), and the median duration of those that finished (None: none yet)."""
     rows = (
         Job.objects.filter(
-            tenant_id=job.tenant_id, status__in=[JobStatus.RUNNING, JobStatus.SUCCEEDED], admitted_at__isnull=False
+            tenant_id=job.tenant_id,
+            status__in=[JobStatus.RUNNING, JobStatus.SUCCEEDED, JobStatus.FAILED],
+            admitted_at__isnull=False,
         )
         .order_by("-submitted_at")
-        .values_list("admitted_at", "started_at")[:DISPATCH_SAMPLE]
+        .values_list("admitted_at", "started_at", "finished_at")[:DISPATCH_SAMPLE]
     )
-    gaps = [(started - admitted).total_seconds() for admitted, started in rows if started and admitted]
-    return max(statistics.median(gaps), 0.0) if gaps else 0.0
+    gaps = [(started - admitted).total_seconds() for admitted, started, _ in rows if started and admitted]
+    runs = [(finished - started).total_seconds() for _, started, finished in rows if started and finished]
+    return (
+        max(statistics.median(gaps), 0.0) if gaps else 0.0,
+        statistics.median(runs) if runs else None,
+    )
+
+
+def _shard_run_seconds(tag: str) -> float | None:
+    """The median duration of the last jobs that finished on the shard (the (status,
+    finished_at) index), for a tenant with none of its own yet."""
+    rows = (
+        Job.objects.filter(status=JobStatus.SUCCEEDED, engine_tag=tag, started_at__isnull=False)
+        .order_by("-finished_at")
+        .values_list("started_at", "finished_at")[:DISPATCH_SAMPLE]
+    )
+    runs = [(finished - started).total_seconds() for started, finished in rows if started and finished]
+    return statistics.median(runs) if runs else None
 
 
 def _tenant_view(policy: PolicySnapshot, slug: str, *, tenant_key_waited: str) -> tuple[int | None, float | None]:
     """(the tenant's limit as the duty tick sets it, when the job waits on the tenant's
-    key; its mean duration, or its shard-mates' mean): one pipelined round trip."""
+    key; its mean duration, None before one is in Redis): one pipelined round trip."""
     tp = policy.tenants.get(slug)
-    mates = sorted(t.slug for t in policy.tenants.values() if tp is not None and t.shard == tp.shard)
     pipe = redis_client().pipeline(transaction=False)
     pipe.hget(live.SHARES_KEY, slug)
     pipe.hget(live.FAIR_SHARES_KEY, slug)
     pipe.get(live.mean_key(slug))
-    if mates:
-        pipe.mget([live.mean_key(m) for m in mates])
-    idle, fair, own, *rest = pipe.execute()
-    means = [float(m) for m in (rest[0] if rest else []) if m]
-    mean = float(own) if own else (statistics.fmean(means) if means else None)
+    idle, fair, own = pipe.execute()
+    mean = float(own) if own else None
     if tp is None or tenant_key_waited != tenant_key(slug):
         return None, mean
     signals = dataclasses.replace(
