@@ -3,20 +3,24 @@ in the engine's own order, and an estimate from that place, the key's slots and 
 tenant's mean job duration.
 
 What is computed (a few O(log n) reads: the job's spec and its rank in the key's waiter
-queue, the key's count and limit, the tenant's cached signals):
+queue, the key's count and limit, the tenant's signals; and one indexed query of the
+tenant's last DISPATCH_SAMPLE started jobs):
 
 - `position`: the jobs ahead of it on that key now, in the engine's order (priority, then
   fair order across flows, FIFO within a flow); 0 when it is next. At a key shared by
   flows (a shard: tenants; a tenant: its sub-tenants) a flow that starts waiting later
   enters at the key's virtual time and may be served before it: the position is of now.
-- `eta_seconds`: (position + 1) x mean / slots: the key runs `slots` jobs at once, each
-  of the position + 1 slots the job needs frees after mean / slots on average. slots is
-  the key's limit, and for a tenant's key the limit the duty tick gives it, from the idle
-  and fair shares it last published (read fresh: an admit from a process whose cache of
-  them was a second old may have stored a lower limit, which the next tick lifts again),
-  at most the pool's live slots. The mean is the tenant's (its finished jobs' moving
-  average), before it has one the mean of its shard-mates' means, before any the pool's
-  default. It counts the wait on this key only; a later key (its shard) may add to it.
+- `eta_seconds`: (position + 1) x hold / slots: the key runs `slots` jobs at once, each
+  holding it `hold` seconds on average, so one of the position + 1 slots the job needs
+  frees every hold / slots. slots is the key's limit, and for a tenant's key the limit the
+  duty tick gives it, from the idle and fair shares it last published (read fresh: an
+  admit from a process whose cache of them was a second old may have stored a lower
+  limit, which the next tick lifts again), at most the pool's live slots. hold is the
+  tenant's mean job duration (the moving average of its finished jobs; before that
+  reaches Redis, the median of its last finished jobs in the database, else of its
+  shard's; before any, the pool's default) plus the median wait of its last started jobs
+  between getting their slots and starting (the broker, a worker's pick-up). It counts
+  the wait on this key only; a later key (its shard) may add to it.
 - a job admitted but not started (waiting for a worker) has position 0 and ETA 0: the
   engine holds its slots, a worker takes it next.
 """
