@@ -1,4 +1,5 @@
-"""Admin for tenant policy: validation with clear errors, key rotation, live Redis state."""
+"""Admin for tenant policy: validation with clear errors, key rotation; under the tenant and
+pool settings forms, the live state in words and the what-if preview (tenants.admin_panel)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
-from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString
 
+from tenants.admin_panel import PoolWhatIfMixin, TenantWhatIfMixin
 from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
-from tenants.selectors import tenant_live_state, tenants_move_preview
+from tenants.selectors import tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
 
 
@@ -162,7 +162,7 @@ class TenantAdminForm(MoveConfirmingForm):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(TenantWhatIfMixin):
     form = TenantAdminForm
     inlines = [SubTenantInline]
     list_display = [
@@ -184,7 +184,7 @@ class TenantAdmin(admin.ModelAdmin):
     list_filter = ["active", "batch_enabled", "shard", "default_latency_class"]
     search_fields = ["slug", "name", "api_key_prefix", "sub_tenants__external_id"]
     list_select_related = ["shard", "default_latency_class"]
-    readonly_fields = ["api_key_prefix", "api_key_rotated_at", "created_at", "updated_at", "live_state"]
+    readonly_fields = ["api_key_prefix", "api_key_rotated_at", "created_at", "updated_at"]
     actions = ["rotate_api_keys", "activate", "deactivate"]
     fieldsets = [
         (None, {"fields": ["slug", "name", "active", "shard", "confirm_move"]}),
@@ -204,7 +204,6 @@ class TenantAdmin(admin.ModelAdmin):
                 "description": "Only a hash is stored. Use the “Rotate API key” action to issue a new key.",
             },
         ),
-        ("Live state (Redis)", {"fields": ["live_state"]}),
         ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
     ]
 
@@ -214,18 +213,12 @@ class TenantAdmin(admin.ModelAdmin):
     def get_fieldsets(self, request: HttpRequest, obj: Tenant | None = None) -> Any:
         fieldsets = super().get_fieldsets(request, obj)
         if obj is None:  # nothing to show before the tenant exists
-            fieldsets = [fs for fs in fieldsets if fs[0] not in ("API key", "Live state (Redis)", "History")]
+            fieldsets = [fs for fs in fieldsets if fs[0] not in ("API key", "History")]
         return fieldsets
 
     @admin.display(description="sub-tenants", ordering="_sub_tenant_count")
     def sub_tenant_count(self, obj: Tenant) -> int:
         return getattr(obj, "_sub_tenant_count", 0)
-
-    @admin.display(description="Live state (Redis)")
-    def live_state(self, obj: Tenant) -> SafeString:
-        if obj.pk is None:
-            return format_html("<em>{}</em>", "Saved tenants only.")
-        return _render_state(tenant_live_state(tenant=obj))
 
     # A new tenant gets its key on creation; the add response shows it once instead of redirecting.
     def save_model(self, request: HttpRequest, obj: Tenant, form: forms.ModelForm, change: bool) -> None:
@@ -289,20 +282,6 @@ class TenantAdmin(admin.ModelAdmin):
         self._set_active(request, queryset, active=False)
 
 
-def _render_value(value: Any) -> SafeString:
-    if isinstance(value, dict):
-        if not value:
-            return format_html("<em>{}</em>", "empty")
-        rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", ((k, v) for k, v in value.items()))
-        return format_html('<table class="fq-live-inner">{}</table>', rows)
-    return format_html("{}", value)
-
-
-def _render_state(state: dict[str, Any]) -> SafeString:
-    rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", ((k, _render_value(v)) for k, v in state.items()))
-    return format_html('<table class="fq-live-state">{}</table>', rows)
-
-
 @admin.register(SubTenant)
 class SubTenantAdmin(admin.ModelAdmin):
     list_display = ["external_id", "tenant", "max_concurrency", "updated_at"]
@@ -331,7 +310,7 @@ class PoolSettingsForm(forms.ModelForm):
 
 
 @admin.register(PoolSettings)
-class PoolSettingsAdmin(admin.ModelAdmin):
+class PoolSettingsAdmin(PoolWhatIfMixin):
     form = PoolSettingsForm
     list_display = [
         "__str__",

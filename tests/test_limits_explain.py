@@ -36,6 +36,11 @@ class LimitsExplainedTests(RedisTestCase):
         client = Client()
         client.force_login(staff)
         page = client.get(f"/admin/tenants/tenant/{self.tenant.pk}/change/")
-        self.assertContains(page, "pressure_factor")
-        self.assertContains(page, "Jobs queued / parked / running")
-        self.assertContains(page, "5 / 2 / 0")
+        # The terms the API gives as fields, in words: ceiling 3 + max(2, 1.5) = 5, no
+        # live worker (pressure 1), so the limit is the ceiling, within the hard max.
+        self.assertContains(page, "limit 5 = max(ceiling 5 \N{MULTIPLICATION SIGN} pressure 1.00 = 5, floor 3) = 5")
+        self.assertContains(page, "ceiling 5 = base 3 + max(burst floor 2, 50% of base)")
+        self.assertContains(page, "pressure 1: no live worker")
+        self.assertContains(page, "5 in flight, 2 parked; the oldest parked job (")
+        self.assertContains(page, ") has 0 ahead of it on 2:t:explained, ETA 0.2 s.")  # 1 x 1 s default / 5
+        self.assertContains(page, "Jobs in the database: 5 queued, 2 parked, 0 running.")

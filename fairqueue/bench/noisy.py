@@ -755,7 +755,7 @@ def _fairqueue_records() -> list[dict[str, Any]]:
 
     out = []
     for j in Job.objects.values(
-        "tenant__slug", "submitted_at", "started_at", "finished_at", "status", "args", "result"
+        "tenant__slug", "submitted_at", "admitted_at", "started_at", "finished_at", "status", "args", "result", "worker"
     ):
         result = j["result"] or {}
         run_started = datetime.fromisoformat(result["started"]).timestamp() if "started" in result else None
@@ -767,11 +767,13 @@ def _fairqueue_records() -> list[dict[str, Any]]:
                 "tenant": j["tenant__slug"],
                 "seconds": j["args"].get("seconds", 0.0),
                 "submitted": j["submitted_at"].timestamp(),
+                "admitted": j["admitted_at"].timestamp() if j["admitted_at"] else None,
                 "started": started,
                 "finished": finished,
                 "run_started": run_started if run_started is not None else started,
                 "run_finished": run_finished if run_finished is not None else finished,
                 "ok": j["status"] == JobStatus.SUCCEEDED,
+                "worker": j["worker"],
             }
         )
     return out

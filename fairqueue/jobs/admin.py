@@ -7,6 +7,8 @@ from django.db.models import F, QuerySet
 from django.http import HttpRequest
 
 from fairqueue.jobs.dispatch import jobs_admit
+from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.explain import seconds_text
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 
 
@@ -31,9 +33,23 @@ class JobAdmin(admin.ModelAdmin):
     search_fields = ("id", "idempotency_key", "sub_tenant", "task")
     date_hierarchy = "submitted_at"
     list_select_related = ("tenant",)
-    readonly_fields = [f.name for f in Job._meta.fields]
+    readonly_fields = [f.name for f in Job._meta.fields] + ["place_in_line"]
     actions = ["retry_jobs"]
     show_full_result_count = False
+
+    @admin.display(description="place in line")
+    def place_in_line(self, job: Job) -> str:
+        """The job's position and ETA (fairqueue.jobs.eta), as the API gives them."""
+        eta = job_eta(job)
+        if eta.position is None or eta.eta_seconds is None:
+            return "-"
+        if eta.key is None:
+            return "holds its slots; starts when a worker takes it"
+        ahead = "next" if eta.position == 0 else f"{eta.position:,} job{'s' if eta.position != 1 else ''} ahead of it"
+        return (
+            f"{ahead} on {eta.key} (limit {eta.limit}, {eta.holders} holding it, mean job {eta.mean_seconds:g} s); "
+            f"starts in about {seconds_text(eta.eta_seconds)}"
+        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs enter through the API, where they are validated and admitted

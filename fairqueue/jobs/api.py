@@ -22,6 +22,7 @@ from pydantic import ConfigDict
 from fairqueue.jobs import selectors
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.errors import JobError
+from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant
@@ -229,6 +230,16 @@ class JobOut(Schema):
     result: Any = None
     error: str | None
     waiting_on: WaitingOn | None = None
+    position: int | None = Field(
+        None,
+        description="Jobs ahead of this one on the key it waits on, in the scheduler's order (0: next); "
+        "0 for a job that holds its slots and waits for a worker. Set on GET /jobs/{id} of a waiting job.",
+    )
+    eta_seconds: float | None = Field(
+        None,
+        description="Estimated seconds until it starts: (position + 1) x the tenant's mean job duration / "
+        "the slots that key runs at once. Set with position.",
+    )
 
 
 class JobListOut(Schema):
@@ -317,7 +328,8 @@ def get_limits(request: HttpRequest) -> dict[str, Any]:
 @api.get("/jobs/{job_id}", response={200: JobOut, **_errors(401, 403, 404, 503)})
 def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
-    return selectors.job_to_dict(job, explain=True)
+    eta = job_eta(job)
+    return {**selectors.job_to_dict(job, explain=True), "position": eta.position, "eta_seconds": eta.eta_seconds}
 
 
 @api.post("/jobs/{job_id}/cancel", response={200: JobOut, **_errors(401, 403, 404, 409, 503)})

@@ -20,7 +20,10 @@ class JobsConfig(AppConfig):
             importlib.import_module(module)
         from fairqueue.jobs.moves import tenants_move_preview
         from fairqueue.jobs.selectors import tenant_admin_live_state
+        from fairqueue.jobs.whatif import whatif_compare
         from tenants.selectors import live_state_provider_register, move_preview_provider_register
+        from tenants.whatif import whatif_runner_register
 
         live_state_provider_register(tenant_admin_live_state)
         move_preview_provider_register(tenants_move_preview)
+        whatif_runner_register(whatif_compare)

@@ -7,7 +7,6 @@ database, so running it from several processes at once is safe.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,22 +15,19 @@ from datetime import timedelta
 from django.utils import timezone
 
 from fairqueue.jobs import live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
+from fairqueue.jobs.limits_plan import limits_plan
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
-from tenants.limits import fair_shares, idle_shares
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 log = logging.getLogger("fairqueue.jobs.duties")
 
-# Unheld slots are shared out up to slots * (1 + OVERCOMMIT): a job in transit to a worker
-# holds a slot it is not yet using, and without a little overcommit workers would idle.
-OVERCOMMIT = 0.125
 BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting batch job is promoted
 SWEEP_JOBS_PER_TAG = 100
 RETENTION_EVERY_SECONDS = 60.0
@@ -146,49 +142,27 @@ def limits_refresh() -> int:
     """
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
-    signals = {slug: dataclasses.replace(live.live_signals(tenant_slug=slug), idle_share=0) for slug in policy.tenants}
-    ceilings = {}
-    for slug, tp in policy.tenants.items():
-        ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
-        ceilings[slug] = min(ceiling, tp.max_concurrency) if tp.max_concurrency is not None else ceiling
-    fair = fair_shares(
-        pool_target=fleet.slots * policy.pool.target_utilisation,
-        demand=ceilings,
-        weight=dict.fromkeys(policy.tenants, 1.0),  # max-min: every tenant alike; floors hold anyway
-    )
-    formulas: dict[str, int] = {}
+    signals = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
     held: dict[str, int] = {}
     for shard_name in policy.shards:
-        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
-        counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(tp.slug) for tp in members])
-        for tp in members:
-            signals[tp.slug] = dataclasses.replace(signals[tp.slug], fair_share=fair.get(tp.slug))
-            formulas[tp.slug] = tenant_limit_for(policy, tp, signals[tp.slug]).limit
-            held[tp.slug] = counts.get(tenant_key(tp.slug), 0)
-    capped = {
-        slug
-        for slug, tp in policy.tenants.items()
-        if tp.max_concurrency is not None and formulas.get(slug, 0) >= tp.max_concurrency + tp.dedicated
-    }
-    at_limit = {
-        slug: (held[slug], formulas[slug]) for slug in formulas if held[slug] >= formulas[slug] and slug not in capped
-    }
-    shares = idle_shares(
-        slots=fleet.slots, in_flight=fleet.in_flight + fleet.batch_in_flight, overcommit=OVERCOMMIT, demand=at_limit
+        members = [tp.slug for tp in policy.tenants.values() if tp.shard == shard_name]
+        counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(slug) for slug in members])
+        held.update({slug: counts.get(tenant_key(slug), 0) for slug in members})
+    plan = limits_plan(
+        policy=policy,
+        signals=signals,
+        held=held,
+        slots=fleet.slots,
+        in_flight=fleet.in_flight + fleet.batch_in_flight,
     )
-    # An idle share never lifts a limit past what the tenant's shard can run: where the
-    # shard key binds, slots the pool has free are of no use to its tenants.
-    for slug, share in shares.items():
-        capacity = policy.shards[policy.tenants[slug].shard].capacity
-        shares[slug] = max(0, min(share, capacity - formulas[slug]))
-    live.shares_publish(shares, fair)
+    live.shares_publish(plan.idle, plan.fair)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
         for tp in policy.tenants.values():
             if tp.shard == shard_name:
-                limits[tenant_key(tp.slug)] = tenant_limit_for(policy, tp, live.live_signals(tenant_slug=tp.slug)).limit
+                limits[tenant_key(tp.slug)] = plan.limit(tp.slug)
         # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
         # bring the limits, and waking waiters there could pass jobs the engine forgot.
         result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)

@@ -10,6 +10,8 @@ from django.db import models
 from fairqueue.jobs import live, payloads
 from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
+from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.models import Tenant
@@ -119,14 +121,34 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
 
 
 def tenant_admin_live_state(tenant: Tenant) -> dict[str, Any]:
-    """For the tenant's admin page: why its jobs run or wait, and how many do."""
+    """For the tenant's admin page: why its jobs run or wait, and how many do, in words."""
+    policy = policy_snapshot()
+    tp = policy.tenants.get(tenant.slug)
+    if tp is None:
+        return {"Limit now": "not known: the tenant's policy is not synced yet"}
+    signals = live.live_signals(tenant_slug=tp.slug)
+    breakdown = tenant_limit_for(policy, tp, signals)
+    key = engine().inspect_key(tag=shard_tag(tp.shard), key=tenant_key(tp.slug), holders=False)
     counts = dict(
         Job.objects.filter(tenant=tenant, status__in=[JobStatus.QUEUED, JobStatus.PARKED, JobStatus.RUNNING])
         .values_list("status")
         .annotate(n=models.Count("id"))
     )
+    oldest = Job.objects.filter(tenant=tenant, status=JobStatus.PARKED).order_by("submitted_at").first()
+    place = None
+    if oldest is not None:
+        eta = job_eta(oldest)
+        if eta.position is not None and eta.key is not None:
+            place = (
+                f"the oldest parked job ({oldest.submitted_at:%H:%M:%S}) has {eta.position:,} ahead of it on "
+                f"{eta.key}, ETA {seconds_text(eta.eta_seconds or 0.0)}"
+            )
+    limit, ceiling, pressure = limit_sentences(policy, tp, breakdown, slots=signals.pool_slots)
     return {
-        "Limit now (floor, base, ceiling, pressure, idle share)": tenant_limits_explain(tenant=tenant),
-        "Jobs queued / parked / running": f"{counts.get('queued', 0)} / {counts.get('parked', 0)} / "
-        f"{counts.get('running', 0)}",
+        "Limit now": limit,
+        "Ceiling": ceiling,
+        "Pressure": pressure,
+        "Load": load_sentence(
+            in_flight=key.held, parked=key.waiting, by_priority=key.waiters_by_priority, oldest=place, counts=counts
+        ),
     }

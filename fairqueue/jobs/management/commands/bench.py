@@ -1,5 +1,5 @@
 """``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
-``engine-ab``, ``noisy``, ``submit``, ``throughput``)."""
+``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fairqueue.bench import engine_bench, noisy, submit, throughput
+from fairqueue.bench import engine_bench, noisy, submit, throughput, whatif_bench
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -18,7 +18,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         subparsers = parser.add_subparsers(
-            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput}"
+            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif}"
         )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
@@ -39,6 +39,10 @@ class Command(BaseCommand):
                 "throughput", help="submit path and no-op jobs/s against plain Celery, on the real stack"
             )
         )
+        whatif = subparsers.add_parser("whatif", help="the what-if model's speed on a synthetic day of a busy shard")
+        whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
+        whatif.add_argument("--hours", type=float, default=None, help="simulated hours (default 24; 1 with --quick)")
+        whatif.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["bench"] == "engine":
@@ -57,6 +61,10 @@ class Command(BaseCommand):
                 )
             except RuntimeError as exc:
                 raise CommandError(str(exc)) from exc
+        elif options["bench"] == "whatif":
+            if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
+                raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
+            result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
         elif options["bench"] in ("noisy", "submit", "throughput"):
             module = {"noisy": noisy, "submit": submit, "throughput": throughput}[options["bench"]]
             try:

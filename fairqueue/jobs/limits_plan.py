@@ -1,0 +1,96 @@
+"""The periodic limit decision for every tenant, as a pure function of policy and signals.
+
+The duty tick (`fairqueue.jobs.duties.limits_refresh`) reads the live signals and the
+engine's counts, calls `limits_plan` and pushes the result to the engine; the what-if
+simulation (`fairqueue.simulation.scheduler`) calls it with simulated signals and counts.
+One function, so a replay predicts what the fleet would do, term for term.
+
+The steps (the formulas themselves are in tenants.limits):
+1. every tenant's ceiling (capped at its hard max) is its demand in a max-min fair share of
+   the pool target (`fair_shares`), below which pressure never squeezes it;
+2. its formula limit with that fair share and no idle share;
+3. tenants holding at least their formula limit (and not capped by their hard max) share
+   the unheld slots (`idle_shares`), never past what their shard can run;
+4. the limit with both shares (`tenant_limit_for`, which also caps at the shard).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fairqueue.jobs.admission import LiveSignals, tenant_limit_for
+from tenants.limits import LimitBreakdown, fair_shares, idle_shares
+from tenants.policy import PolicySnapshot
+
+# Unheld slots are shared out up to slots * (1 + OVERCOMMIT): a job in transit to a worker
+# holds a slot it is not yet using, and without a little overcommit workers would idle.
+OVERCOMMIT = 0.125
+
+
+@dataclass(frozen=True)
+class LimitsPlan:
+    """One tick's decision: each tenant's shares, the signals with them, and its limit."""
+
+    fair: dict[str, float]
+    idle: dict[str, int]
+    signals: dict[str, LiveSignals]  # the inputs with idle_share and fair_share filled in
+    breakdowns: dict[str, LimitBreakdown]  # tenants of known shards only
+
+    def limit(self, slug: str) -> int:
+        return self.breakdowns[slug].limit
+
+
+def limits_plan(
+    *,
+    policy: PolicySnapshot,
+    signals: dict[str, LiveSignals],
+    held: dict[str, int],
+    slots: int,
+    in_flight: int,
+) -> LimitsPlan:
+    """Decide every tenant's limit. `signals` has an entry per tenant of the policy (its
+    idle and fair shares are ignored), `held` the holders of each tenant's key, `slots` the
+    pool's live slots and `in_flight` every job holding a slot, batch included."""
+    # A ceiling depends on neither share: the signals as given serve for step 1. (The
+    # what-if calls this every simulated half second: each replace below is a real cost.)
+    ceilings = {}
+    for slug, tp in policy.tenants.items():
+        ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
+        ceilings[slug] = min(ceiling, tp.max_concurrency) if tp.max_concurrency is not None else ceiling
+    fair = fair_shares(
+        pool_target=slots * policy.pool.target_utilisation,
+        demand=ceilings,
+        weight=dict.fromkeys(policy.tenants, 1.0),  # max-min: every tenant alike; floors hold anyway
+    )
+    members = [tp for tp in policy.tenants.values() if tp.shard in policy.shards]
+    planned = dict(signals)
+    formulas: dict[str, LimitBreakdown] = {}
+    for tp in members:
+        planned[tp.slug] = dataclasses.replace(signals[tp.slug], idle_share=0, fair_share=fair.get(tp.slug))
+        formulas[tp.slug] = tenant_limit_for(policy, tp, planned[tp.slug])
+    capped = {
+        tp.slug
+        for tp in members
+        if tp.max_concurrency is not None and formulas[tp.slug].limit >= tp.max_concurrency + tp.dedicated
+    }
+    at_limit = {
+        slug: (held.get(slug, 0), formula.limit)
+        for slug, formula in formulas.items()
+        if held.get(slug, 0) >= formula.limit and slug not in capped
+    }
+    shares = idle_shares(slots=slots, in_flight=in_flight, overcommit=OVERCOMMIT, demand=at_limit)
+    # An idle share never lifts a limit past what the tenant's shard can run: where the
+    # shard key binds, slots the pool has free are of no use to its tenants.
+    for slug, share in shares.items():
+        capacity = policy.shards[policy.tenants[slug].shard].capacity
+        shares[slug] = max(0, min(share, capacity - formulas[slug].limit))
+    breakdowns = {}
+    for tp in members:
+        share = shares.get(tp.slug, 0)
+        if share:
+            planned[tp.slug] = dataclasses.replace(planned[tp.slug], idle_share=share)
+            breakdowns[tp.slug] = tenant_limit_for(policy, tp, planned[tp.slug])
+        else:  # the formula's own decision stands
+            breakdowns[tp.slug] = formulas[tp.slug]
+    return LimitsPlan(fair=fair, idle=shares, signals=planned, breakdowns=breakdowns)
