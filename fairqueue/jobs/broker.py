@@ -10,6 +10,7 @@ priority level, or BATCH_ROUTE.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from fairqueue.celery import app
@@ -19,6 +20,9 @@ JOBS_QUEUE = "fq.jobs"
 BATCH_QUEUE = "fq.batch"
 BATCH_ROUTE = "batch"
 DEFAULT_LEVEL = 5  # a route this code does not know (an older version's) still runs
+# The last of kombu's priority steps (fairqueue/settings.py; admission.PRIORITY_LEVELS - 1).
+# Not imported from admission: this module loads before Django is set up (the benches).
+BATCH_LEVEL = 9
 
 _producers = threading.local()
 
@@ -48,10 +52,43 @@ def delivery_route(*, level: int, batch: bool) -> str:
     return BATCH_ROUTE if batch else str(level)
 
 
-def _queue_and_priority(route: str) -> tuple[str, int | None]:
+def _queue_and_priority(route: str) -> tuple[str, int]:
     if route == BATCH_ROUTE:
-        return BATCH_QUEUE, None
+        # The lowest level, not none: kombu's Redis transport fetches with one BRPOP over
+        # every (queue, level) list, level-major, so a batch delivery at level 0 (the
+        # default) would be taken before every class below the highest.
+        return BATCH_QUEUE, BATCH_LEVEL
     return JOBS_QUEUE, int(route) if route.isdigit() else DEFAULT_LEVEL
+
+
+def delivery_queue(route: str) -> str:
+    """The queue a delivery on `route` is published to."""
+    return _queue_and_priority(route)[0]
+
+
+def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
+    """Whether the broker holds a delivery that a worker reading `consumed` (in that
+    order) would fetch before one published now on `route`: one of a higher class, or of
+    the same class published earlier.
+
+    On the Redis transport a worker's fetch is one BRPOP over a list per (queue, priority
+    step), in kombu's order; this reads the lengths of that list's entries up to the
+    route's own, in one round trip, so it follows kombu's order whatever it is. Other
+    transports tell a queue's length, not its order: any delivery waiting in `consumed`
+    counts as ahead.
+    """
+    queue, priority = _queue_and_priority(route)
+    channel = _producer().channel
+    list_name = getattr(channel, "_q_for_pri", None)  # kombu's Redis channel: the list of (queue, priority)
+    if list_name is None or queue not in consumed:
+        return any(channel.queue_declare(queue=q, passive=True).message_count for q in consumed)
+    order = [list_name(q, p) for p in channel.priority_steps for q in consumed]
+    lists = order[: order.index(list_name(queue, priority)) + 1]
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline(transaction=False)
+        for name in lists:
+            pipe.llen(name)
+        return any(pipe.execute())
 
 
 def delivery_publish(engine_id: str, route: str) -> None:
