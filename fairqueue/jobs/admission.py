@@ -47,6 +47,7 @@ class LiveSignals:
     in_flight: int = 0
     idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
     fair_share: float | None = None  # its max-min fair share of the pool target, ditto
+    shard_cap: int | None = None  # its cap where its shard binds (tenants.limits.shard_caps), ditto
     # Slots the tenant (and its shard) still hold at a place they were moved away from
     # (fairqueue.jobs.moves): counted against the limit at the new place until they finish.
     held_elsewhere: int = 0
@@ -79,6 +80,7 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         f_max=pool.f_max,
         idle_share=signals.idle_share,
         fair_share=signals.fair_share,
+        shard_cap=signals.shard_cap,
     )
     # A tenant never runs more than its shard can: a limit past the shard's capacity would
     # only move its backlog from its own key to the shard's, in front of its shard-mates.

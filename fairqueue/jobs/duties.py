@@ -23,7 +23,7 @@ from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
-from tenants.limits import fair_shares, idle_shares
+from tenants.limits import fair_shares, idle_shares, shard_caps
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 log = logging.getLogger("fairqueue.jobs.duties")
@@ -138,13 +138,16 @@ def limits_refresh() -> int:
     this tick is what lets a raised limit (idle pool, admin edit) wake its waiters within a
     second. It also shares the pool's unheld slots among tenants at their limit (see
     tenants.limits.idle_shares), which is what keeps the pool full under one big backlog,
-    and computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
-    below which pressure never squeezes it. One round trip per shard to read holders, one
-    per shard to set limits.
+    computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
+    below which pressure never squeezes it, and, where a shard's capacity binds, caps the
+    tenants that want more than their fair share of the shard (tenants.limits.shard_caps).
+    One round trip per shard to read holders (one more for a full shard's waiters), one per
+    shard to set limits.
     """
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
-    signals = {slug: dataclasses.replace(live.live_signals(tenant_slug=slug), idle_share=0) for slug in policy.tenants}
+    cached = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
+    signals = {slug: dataclasses.replace(s, idle_share=0, shard_cap=None) for slug, s in cached.items()}
     ceilings = {}
     for slug, tp in policy.tenants.items():
         ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
@@ -156,9 +159,11 @@ def limits_refresh() -> int:
     )
     formulas: dict[str, int] = {}
     held: dict[str, int] = {}
+    shard_held: dict[str, int] = {}
     for shard_name in policy.shards:
         members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
-        counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(tp.slug) for tp in members])
+        counts = engine().counts(tag=shard_tag(shard_name), keys=[SHARD_KEY, *(tenant_key(tp.slug) for tp in members)])
+        shard_held[shard_name] = counts.get(SHARD_KEY, 0)
         for tp in members:
             signals[tp.slug] = dataclasses.replace(signals[tp.slug], fair_share=fair.get(tp.slug))
             formulas[tp.slug] = tenant_limit_for(policy, tp, signals[tp.slug]).limit
@@ -179,7 +184,8 @@ def limits_refresh() -> int:
     for slug, share in shares.items():
         capacity = policy.shards[policy.tenants[slug].shard].capacity
         shares[slug] = max(0, min(share, capacity - formulas[slug]))
-    live.shares_publish(shares, fair)
+    caps = _shard_caps(policy, fleet, formulas, held, shard_held, {s: c.shard_cap for s, c in cached.items()})
+    live.shares_publish(shares, fair, caps)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
@@ -194,3 +200,47 @@ def limits_refresh() -> int:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def _key_limit(formula: int, cap: int | None) -> int:
+    return formula if cap is None else min(formula, cap)
+
+
+def _shard_caps(
+    policy: PolicySnapshot,
+    fleet: live.FleetState,
+    formulas: dict[str, int],
+    held: dict[str, int],
+    shard_held: dict[str, int],
+    previous: dict[str, int | None],
+) -> dict[str, int]:
+    """Caps for tenants that want more than their fair share of a shard whose capacity
+    binds (tenants.limits.shard_caps). A tenant wants more when it holds as much as its key
+    allows now: its formula, or the cap it was given last tick."""
+    caps: dict[str, int] = {}
+    for shard_name, shard in policy.shards.items():
+        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
+        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
+        wanting = {tp.slug for tp in members if held[tp.slug] >= _key_limit(formulas[tp.slug], previous.get(tp.slug))}
+        if not wanting:
+            continue
+        holders = shard_held[shard_name]
+        # Only a full key can have waiters: the read is needed only then.
+        waiting = (
+            engine().inspect_key(tag=shard_tag(shard_name), key=SHARD_KEY, holders=False).waiting
+            if holders >= capacity
+            else 0
+        )
+        caps.update(
+            shard_caps(
+                capacity=capacity,
+                holders=holders,
+                waiting=waiting,
+                held={tp.slug: held[tp.slug] for tp in members},
+                wanting=wanting,
+                # As the shard key's fair order weighs them (fairqueue.jobs.admission).
+                weight={tp.slug: float(max(tp.floor, 1)) for tp in members},
+                floor={tp.slug: tp.floor for tp in members},
+            )
+        )
+    return caps
