@@ -147,7 +147,9 @@ def limits_refresh() -> int:
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
     cached = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
-    signals = {slug: dataclasses.replace(s, idle_share=0, shard_cap=None) for slug, s in cached.items()}
+    signals = {
+        slug: dataclasses.replace(s, idle_share=0, shard_cap=None, tick_limit=None) for slug, s in cached.items()
+    }
     ceilings = {}
     for slug, tp in policy.tenants.items():
         ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
@@ -185,14 +187,25 @@ def limits_refresh() -> int:
         capacity = policy.shards[policy.tenants[slug].shard].capacity
         shares[slug] = max(0, min(share, capacity - formulas[slug]))
     caps = _shard_caps(policy, fleet, formulas, held, shard_held, {s: c.shard_cap for s, c in cached.items()})
-    live.shares_publish(shares, fair, caps)
+    # The limits this tick sets are published too: a process admitting a tenant's jobs
+    # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than one
+    # from its own view of the pool, up to a second older, which would pull an idle share
+    # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
+    # formula while the pool sat idle).
+    limits_set = {
+        slug: tenant_limit_for(
+            policy, tp, dataclasses.replace(signals[slug], idle_share=shares.get(slug, 0), shard_cap=caps.get(slug))
+        ).limit
+        for slug, tp in policy.tenants.items()
+    }
+    live.shares_publish(shares, fair, caps, limits_set)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
         for tp in policy.tenants.values():
             if tp.shard == shard_name:
-                limits[tenant_key(tp.slug)] = tenant_limit_for(policy, tp, live.live_signals(tenant_slug=tp.slug)).limit
+                limits[tenant_key(tp.slug)] = limits_set[tp.slug]
         # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
         # bring the limits, and waking waiters there could pass jobs the engine forgot.
         result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)
