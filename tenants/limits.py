@@ -4,7 +4,7 @@ base     = max(floor, ceil(R * D / 60))             R submissions/min, D mean se
 ceiling  = base + max(burst_floor, base * burst_pct)
 pressure = clamp(pool_target / in_flight, f_min, f_max)
 protected = min(ceiling, fair share)                 only while pressure < 1
-limit    = min(max(floor(ceiling * pressure), ceil(protected), floor) + idle share, hard max) + dedicated
+limit    = min(max(floor(ceiling * pressure), ceil(protected), floor) + idle share, hard max, shard cap) + dedicated
 
 Pressure alone squeezes every ceiling by the same factor, including the ceilings of
 tenants that use less than their share, so a steady tenant would wait on its own limit
@@ -17,6 +17,13 @@ limit settles where L = ceiling * target / (L + others), far below a full pool. 
 slots are also shared out (`idle_shares`): tenants at their limit get an equal share of
 the slots nobody holds, on top of what they hold; when the pool is over-held the share is
 negative and they give slots back by not refilling them. Never below the formula.
+
+Where a shard's capacity binds rather than the pool, the same two rules apply one level
+down (`shard_caps`): a tenant that wants more than its max-min fair share of the shard is
+capped at that share plus an equal part of the shard's free room, so it fills what its
+shard-mates leave idle (work-conserving) but gives back, within a tick, the slots a
+shard-mate is waiting for instead of keeping its own jobs queued at the shard in front of
+theirs.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class LimitBreakdown:
     idle_share: int
     fair_share: float | None
     limit: int
+    shard_cap: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,6 +72,7 @@ def tenant_limit(
     f_max: float,
     idle_share: int = 0,
     fair_share: float | None = None,
+    shard_cap: int | None = None,
 ) -> LimitBreakdown:
     """Compute a tenant's concurrency limit from its policy and the live signals."""
     base = max(floor, math.ceil(rate_per_min * mean_seconds / 60 - 1e-9))
@@ -82,6 +91,8 @@ def tenant_limit(
     limit = max(squeezed, floor) + max(idle_share, 0)
     if max_concurrency is not None:
         limit = min(limit, max_concurrency)
+    if shard_cap is not None:
+        limit = min(limit, max(shard_cap, floor))
     return LimitBreakdown(
         floor=floor,
         rate_per_min=rate_per_min,
@@ -96,6 +107,7 @@ def tenant_limit(
         idle_share=max(idle_share, 0),
         fair_share=fair_share,
         limit=limit + dedicated,
+        shard_cap=shard_cap,
     )
 
 
@@ -127,3 +139,37 @@ def fair_shares(*, pool_target: float, demand: dict[str, float], weight: dict[st
         left -= shares[slug]
         weight_left -= w
     return shares
+
+
+def shard_caps(
+    *,
+    capacity: int,
+    holders: int,
+    waiting: int,
+    held: dict[str, int],
+    wanting: set[str],
+    weight: dict[str, float],
+    floor: dict[str, int],
+) -> dict[str, int]:
+    """Caps for the tenants of one shard whose capacity binds.
+
+    `held` maps each tenant of the shard to the slots of its own key (its running jobs and
+    those queued at the shard key), `wanting` names those that want more than they hold
+    (at their limit); `holders`/`waiting` are the shard key's holders and waiters. Each
+    tenant's fair share of the shard is water-filled over demands (what it holds, or
+    without bound if it wants more), weighted like the shard's fair order; a wanting
+    tenant is capped at max(its share rounded up, its floor, what it holds + an equal part
+    of the room the shard has: capacity - holders - waiting, negative while jobs queue at
+    the shard). A tenant that wants no more is not capped. With room at the shard the cap
+    is what it holds plus that room: it may take every free slot, but queues no more of its
+    jobs at the shard key than the shard can start.
+    """
+    if not wanting:
+        return {}
+    unbounded = float(capacity)  # a wanting tenant's demand: more than the whole shard can give
+    demand = {slug: (unbounded if slug in wanting else float(n)) for slug, n in held.items()}
+    share = fair_shares(pool_target=capacity, demand=demand, weight=weight)
+    capped = [slug for slug in sorted(wanting) if slug in held]
+    room = capacity - holders - waiting
+    part = math.ceil(room / len(capped)) if room > 0 else math.floor(room / len(capped))
+    return {slug: max(math.ceil(share[slug] - 1e-9), floor.get(slug, 0), held[slug] + part) for slug in capped}

@@ -10,12 +10,16 @@ from django.test import Client
 from django.utils import timezone
 
 from fairqueue.jobs import live
+from fairqueue.jobs.admission import LiveSignals, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.dispatch import job_release
 from fairqueue.jobs.duties import limits_refresh
 from fairqueue.jobs.fleet import SEEN_KEY, WORKERS_KEY
 from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.selectors import tenant_limits_explain
-from fairqueue.jobs.submission import JobRequest, job_submit
+from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
 from tenants.models import PoolSettings, SubTenant, Tenant
+from tenants.policy import policy_snapshot
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
@@ -83,6 +87,66 @@ class PressureTests(E2EBase):
         live.live_invalidate()
         limits_refresh()
         self.assertLessEqual(tenant_limits_explain(tenant=tenant)["limit"], 3)
+
+    def test_at_a_full_shard_a_tenant_wanting_more_gives_back_the_slots_a_shard_mate_waits_for(self) -> None:
+        flood, _ = make_tenant("flood", floor=1, shard_name="tight", shard_capacity=4)
+        mate, _ = make_tenant("mate", floor=1, shard_name="tight")
+        self.register_fleet(16)
+        sleep = {"seconds": 60}
+        floods = [
+            job_submit(tenant=flood, req=JobRequest(task="demo.sleep", args=sleep, idempotency_key=f"f{i}")).job
+            for i in range(20)
+        ]
+        running = [j for j in floods if j.status == JobStatus.QUEUED]
+        self.assertEqual(len(running), 4, "the shard's capacity")
+        mates = [
+            job_submit(tenant=mate, req=JobRequest(task="demo.sleep", args=sleep, idempotency_key=f"m{i}")).job
+            for i in range(2)
+        ]
+        self.assertEqual([j.status for j in mates], [JobStatus.PARKED] * 2)
+        live.live_invalidate()
+        limits_refresh()
+        explained = tenant_limits_explain(tenant=flood)
+        self.assertEqual((explained["shard_cap"], explained["limit"]), (2, 2), "its fair share of the shard")
+        self.assertIsNone(tenant_limits_explain(tenant=mate)["shard_cap"])
+        tag = running[0].engine_tag
+        for job in running[:2]:  # two flood jobs end: both slots go to the mate
+            job_release(tag=tag, engine_id=job.engine_id, keys=job.engine_key_names)
+        self.assertEqual(
+            set(Job.objects.filter(id__in=[j.id for j in mates]).values_list("status", flat=True)), {"queued"}
+        )
+        waiting = [j for j in floods if j.status == JobStatus.PARKED]
+        self.assertEqual(
+            {engine().inspect_job(tag=tag, job_id=j.engine_id).parked_on for j in waiting},
+            {tenant_key("flood")},
+            "no flood job queued at the shard in front of a shard-mate",
+        )
+        for job in Job.objects.filter(id__in=[j.id for j in mates]):  # the mate is done: its room goes back
+            job_release(tag=tag, engine_id=job.engine_id, keys=job.engine_key_names)
+        limits_refresh()
+        self.assertEqual(engine().counts(tag=tag, keys=[tenant_key("flood")])[tenant_key("flood")], 4)
+
+    def test_a_burst_keeps_the_limit_the_tick_set_while_the_admitting_process_sees_the_pool_fill(self) -> None:
+        hog, _ = make_tenant("hog", floor=2)  # ceiling 4
+        self.register_fleet(16)
+        limits_refresh()  # an idle pool: the tick sets (and publishes) 4 x f_max = 16
+        tag, key = shard_tag("default"), tenant_key("hog")
+        self.assertEqual(engine().inspect_key(tag=tag, key=key).limit, None, "idle keys keep no limit")
+        sleep = {"seconds": 60}
+        first = [JobRequest(task="demo.sleep", args=sleep, idempotency_key=f"a{i}") for i in range(20)]
+        job_submit_bulk(tenant=hog, reqs=first)
+        self.assertEqual(engine().inspect_key(tag=tag, key=key).held, 16)
+        # This process now sees the pool full (pressure 13.6 / 16): its own formula says 3.
+        live.fleet_state(max_age=0)
+        self.assertEqual(
+            tenant_limit_for(
+                policy_snapshot(), policy_snapshot().tenants["hog"], LiveSignals(pool_slots=16, in_flight=16)
+            ).limit,
+            3,
+        )
+        second = [JobRequest(task="demo.sleep", args=sleep, idempotency_key=f"b{i}") for i in range(20)]
+        job_submit_bulk(tenant=hog, reqs=second)
+        self.assertEqual(engine().inspect_key(tag=tag, key=key).limit, 16, "not pulled back to the bare formula")
 
     def test_a_steady_tenant_earns_a_higher_base_than_a_bursty_one(self) -> None:
         steady, _ = make_tenant("steady", floor=1)

@@ -6,7 +6,7 @@ import math
 
 from django.test import SimpleTestCase
 
-from tenants.limits import fair_shares, idle_shares, tenant_limit
+from tenants.limits import fair_shares, idle_shares, shard_caps, tenant_limit
 
 DEFAULTS = dict(
     floor=2,
@@ -144,3 +144,48 @@ class FairShareTests(SimpleTestCase):
     def test_no_protection_while_the_pool_has_room(self) -> None:
         relaxed = limit(floor=1, burst_floor=3, in_flight=10, fair_share=1)
         self.assertEqual(relaxed.limit, math.floor(relaxed.ceiling * relaxed.pressure))
+
+
+class ShardCapTests(SimpleTestCase):
+    """Where a shard's capacity binds: its fair share, work-conserving through its free room."""
+
+    def caps(self, **overrides: object) -> dict[str, int]:
+        held = overrides.pop("held", {"flood": 8, "mate": 2})
+        args = dict(
+            capacity=8,
+            holders=8,
+            waiting=2,
+            held=held,
+            wanting={"flood"},
+            weight=dict.fromkeys(held, 2.0),  # type: ignore[arg-type]
+            floor=dict.fromkeys(held, 2),  # type: ignore[arg-type]
+        )
+        return shard_caps(**{**args, **overrides})  # type: ignore[arg-type]
+
+    def test_a_tenant_wanting_more_gives_back_the_slots_a_shard_mate_waits_for(self) -> None:
+        # flood holds 8 tenant slots (6 running, 2 queued at the shard) and wants more; mate
+        # runs none and waits at the shard with 2: flood's fair share is 6, and it gives 2 back.
+        self.assertEqual(self.caps(), {"flood": 6})
+
+    def test_never_below_its_fair_share_or_its_floor(self) -> None:
+        self.assertEqual(self.caps(waiting=7, held={"flood": 8, "mate": 1}), {"flood": 7})  # its share
+        held = {"flood": 3, "a": 2, "b": 2, "c": 2}
+        self.assertEqual(self.caps(capacity=4, holders=4, waiting=5, held=held), {"flood": 2})  # its floor
+
+    def test_free_room_goes_to_the_tenants_that_want_it(self) -> None:
+        # The shard has 3 free slots and nobody waits: flood may take them all (work-conserving).
+        self.assertEqual(self.caps(holders=5, waiting=0, held={"flood": 4, "mate": 1}), {"flood": 7})
+        both = self.caps(holders=4, waiting=0, held={"flood": 2, "mate": 2}, wanting={"flood", "mate"})
+        self.assertEqual(both, {"flood": 4, "mate": 4}, "split equally, rounded up")
+
+    def test_nobody_is_capped_who_wants_no_more_and_a_roomy_shard_caps_at_its_room(self) -> None:
+        self.assertEqual(self.caps(wanting=set()), {})
+        roomy = self.caps(capacity=20, holders=10, waiting=0, held={"flood": 8, "mate": 2})
+        self.assertEqual(roomy, {"flood": 18}, "every free slot, but no more jobs queued at the shard")
+
+    def test_the_cap_bounds_the_limit_but_never_below_the_floor_and_dedicated_comes_on_top(self) -> None:
+        self.assertEqual(limit(in_flight=10).limit, 16)  # an idle pool: ceiling 4 x f_max
+        capped = limit(in_flight=10, shard_cap=5)
+        self.assertEqual((capped.limit, capped.shard_cap), (5, 5))
+        self.assertEqual(limit(in_flight=10, shard_cap=1).limit, 2)
+        self.assertEqual(limit(in_flight=10, shard_cap=5, dedicated=3).limit, 8)

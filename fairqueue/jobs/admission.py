@@ -47,6 +47,9 @@ class LiveSignals:
     in_flight: int = 0
     idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
     fair_share: float | None = None  # its max-min fair share of the pool target, ditto
+    shard_cap: int | None = None  # its cap where its shard binds (tenants.limits.shard_caps), ditto
+    # The limit the duty tick last set for the tenant (tenant_limit_for), ditto.
+    tick_limit: int | None = None
     # Slots the tenant (and its shard) still hold at a place they were moved away from
     # (fairqueue.jobs.moves): counted against the limit at the new place until they finish.
     held_elsewhere: int = 0
@@ -79,6 +82,7 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         f_max=pool.f_max,
         idle_share=signals.idle_share,
         fair_share=signals.fair_share,
+        shard_cap=signals.shard_cap,
     )
     # A tenant never runs more than its shard can: a limit past the shard's capacity would
     # only move its backlog from its own key to the shard's, in front of its shard-mates.
@@ -88,6 +92,20 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         else breakdown.limit
     )
     capped = max(0, capped - signals.held_elsewhere)
+    if signals.tick_limit is not None:
+        # The limit the duty tick last set (fairqueue.jobs.duties.limits_refresh: with its
+        # idle share and shard cap, from the pool as it was then), not one from this
+        # process's own view of the pool, up to a second older: between ticks that pulled
+        # an idle share or a shard cap back. Still within what the policy allows now (an
+        # admin edit since the tick).
+        tick = signals.tick_limit
+        if tenant.max_concurrency is not None:
+            tick = min(tick, tenant.max_concurrency + tenant.dedicated)
+        if tenant.shard in policy.shards:
+            tick = min(tick, max(policy.shards[tenant.shard].capacity, tenant.floor))
+        formula = breakdown.limit - breakdown.idle_share
+        breakdown = dataclasses.replace(breakdown, idle_share=max(0, tick - formula))
+        capped = tick
     if capped != breakdown.limit:
         breakdown = dataclasses.replace(breakdown, limit=capped)
     return breakdown

@@ -270,6 +270,11 @@ class LimitsOut(Schema):
     fair_share: float | None = Field(
         None, description="Max-min fair share of the pool target; pressure never squeezes the limit below it."
     )
+    shard_cap: int | None = Field(
+        None,
+        description="Where the tenant's shard is full and it wants more than its fair share of the shard: "
+        "that share plus its part of the shard's free room (never below the floor).",
+    )
     limit: int
     in_flight: int
     parked: int

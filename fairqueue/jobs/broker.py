@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fairqueue.celery import app
-from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, message_target
+from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_target
 
 __all__ = ["BATCH_QUEUE", "JOBS_QUEUE", "deliveries_publish", "delivery_publish", "delivery_route", "split_engine_id"]
 
@@ -39,6 +39,44 @@ def route_level(route: str) -> int | None:
     if route == BATCH_ROUTE:
         return None
     return int(route) if route.isdigit() else DEFAULT_LEVEL
+
+
+def delivery_queue(route: str) -> str:
+    """The queue a delivery on `route` is published to."""
+    return message_target(route_level(route), amqp=_amqp())[0]
+
+
+def _amqp() -> bool:
+    return broker_is_amqp(str(app.conf.broker_url))
+
+
+def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
+    """Whether the broker holds a delivery that a worker reading `consumed` (in that
+    order) would fetch before one published now on `route`: one of a higher class, or of
+    the same class published earlier.
+
+    On the Redis transport a worker's fetch is one BRPOP over a list per (queue, priority
+    step), in kombu's order; this reads the lengths of that list's entries up to the
+    route's own, in one round trip, so it follows kombu's order whatever it is. Other
+    transports tell a queue's length, not its order, and a passive check of a queue that
+    does not exist closes the channel: there every delivery counts as behind one, so the
+    worker publishes rather than runs it in place.
+    """
+    if _amqp():
+        return True
+    queue, priority = message_target(route_level(route), amqp=False)
+    with app.producer_pool.acquire(block=True) as producer:
+        channel = producer.channel
+        list_name = getattr(channel, "_q_for_pri", None)  # kombu's Redis channel: the list of (queue, priority)
+        if list_name is None or queue not in consumed:
+            return True
+        order = [list_name(q, p) for p in channel.priority_steps for q in consumed]
+        lists = order[: order.index(list_name(queue, priority)) + 1]
+        with channel.conn_or_acquire() as client:
+            pipe = client.pipeline(transaction=False)
+            for name in lists:
+                pipe.llen(name)
+            return any(pipe.execute())
 
 
 def delivery_publish(engine_id: str, route: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -287,22 +287,62 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
     jobs_admit(again)
 
 
-def job_release(*, tag: str, engine_id: str, keys: list[str] | None = None) -> None:
-    """Give a job's slots back; the engine hands each to its next waiter, dispatched here."""
+# Picks, among the jobs a release woke, one the caller runs itself in the slot it freed
+# (fairqueue.jobs.handoff.inline_pick), or None.
+KeepPick = Callable[[Sequence[Woken]], Woken | None]
+
+
+def job_release(
+    *, tag: str, engine_id: str, keys: list[str] | None = None, keep: KeepPick | None = None
+) -> Woken | None:
+    """Give a job's slots back; the engine hands each to its next waiter, dispatched here.
+
+    `keep` may pick one woken job that the caller runs itself, at once, in the slot the
+    release freed: that one is neither published nor marked `queued` (its claim takes it
+    from `parked` to `running`); it is returned. Should the pick fail, everything is
+    published as usual."""
     started = time.perf_counter()
     result = engine().release(tag=tag, job_id=engine_id, keys=keys)
     stats.observe("release", time.perf_counter() - started)
-    outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
+    kept = _keep_one(keep, result.woken)
+    try:
+        outcomes_handle(woken=[w for w in result.woken if w is not kept], reclaimed=result.reclaimed)
+    except Exception:
+        if kept is not None:  # the caller will not get to run it: it goes the usual way
+            _publish([(kept.job_id, kept.data)])
+        raise
+    return kept
+
+
+def _keep_one(keep: KeepPick | None, woken: Sequence[Woken]) -> Woken | None:
+    if keep is None or not woken:
+        return None
+    try:
+        return keep(woken)
+    except Exception:  # the broker check failed, say: publishing is always safe
+        log.warning("could not decide on running a woken job here; publishing it", exc_info=True)
+        return None
 
 
 def job_release_or_defer(job: Job) -> bool:
     """Release a finished job's slots; if the engine cannot be reached, flag the row so the
     reconciler releases them later (a finished job's outcome never depends on Redis).
     True if released now."""
+    released, _ = _release_or_defer(job, keep=None)
+    return released
+
+
+def job_release_keeping(job: Job, keep: KeepPick | None) -> Woken | None:
+    """`job_release_or_defer`, where `keep` may pick one woken job for the caller to run in
+    the slot the release freed (see `job_release`); returns it."""
+    return _release_or_defer(job, keep=keep)[1]
+
+
+def _release_or_defer(job: Job, *, keep: KeepPick | None) -> tuple[bool, Woken | None]:
     try:
-        job_release(tag=job.engine_tag, engine_id=job.engine_id, keys=job.engine_key_names or None)
-        return True
+        kept = job_release(tag=job.engine_tag, engine_id=job.engine_id, keys=job.engine_key_names or None, keep=keep)
+        return True, kept
     except Exception:
         log.warning("could not release job %s now; the reconciler will", job.engine_id, exc_info=True)
         Job.objects.filter(id=job.id, generation=job.generation).update(release_pending=True)
-        return False
+        return False, None

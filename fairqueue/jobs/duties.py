@@ -7,6 +7,7 @@ database, so running it from several processes at once is safe.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
+from tenants.limits import shard_caps
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 log = logging.getLogger("fairqueue.jobs.duties")
@@ -136,33 +138,50 @@ def limits_refresh() -> int:
     this tick is what lets a raised limit (idle pool, admin edit) wake its waiters within a
     second. It also shares the pool's unheld slots among tenants at their limit (see
     tenants.limits.idle_shares), which is what keeps the pool full under one big backlog,
-    and computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
-    below which pressure never squeezes it. One round trip per shard to read holders, one
-    per shard to set limits.
+    computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
+    below which pressure never squeezes it, and, where a shard's capacity binds, caps the
+    tenants that want more than their fair share of the shard (tenants.limits.shard_caps).
+    One round trip per shard to read holders (one more for a full shard's waiters), one per
+    shard to set limits.
     """
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
-    signals = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
+    cached = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
+    # The tick decides afresh: what it published last time (shares, caps, its limits) is
+    # not an input, except each tenant's previous cap (see _key_limit).
+    signals = {
+        slug: dataclasses.replace(s, idle_share=0, shard_cap=None, tick_limit=None) for slug, s in cached.items()
+    }
     held: dict[str, int] = {}
+    shard_held: dict[str, int] = {}
     for shard_name in policy.shards:
         members = [tp.slug for tp in policy.tenants.values() if tp.shard == shard_name]
-        counts = engine().counts(tag=shard_tag(shard_name), keys=[tenant_key(slug) for slug in members])
+        counts = engine().counts(tag=shard_tag(shard_name), keys=[SHARD_KEY, *(tenant_key(slug) for slug in members)])
+        shard_held[shard_name] = counts.get(SHARD_KEY, 0)
         held.update({slug: counts.get(tenant_key(slug), 0) for slug in members})
+    previous_caps = {slug: c.shard_cap for slug, c in cached.items()}
     plan = limits_plan(
         policy=policy,
         signals=signals,
         held=held,
         slots=fleet.slots,
         in_flight=fleet.in_flight + fleet.batch_in_flight,
+        caps_for=lambda formulas: _shard_caps(policy, fleet, formulas, held, shard_held, previous_caps),
     )
-    live.shares_publish(plan.idle, plan.fair)
+    # The limits this tick sets are published too: a process admitting a tenant's jobs
+    # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than one
+    # from its own view of the pool, up to a second older, which would pull an idle share
+    # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
+    # formula while the pool sat idle).
+    limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
+    live.shares_publish(plan.idle, plan.fair, plan.caps, limits_set)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
         for tp in policy.tenants.values():
             if tp.shard == shard_name:
-                limits[tenant_key(tp.slug)] = plan.limit(tp.slug)
+                limits[tenant_key(tp.slug)] = limits_set[tp.slug]
         # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
         # bring the limits, and waking waiters there could pass jobs the engine forgot.
         result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)
@@ -170,3 +189,47 @@ def limits_refresh() -> int:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def _key_limit(formula: int, cap: int | None) -> int:
+    return formula if cap is None else min(formula, cap)
+
+
+def _shard_caps(
+    policy: PolicySnapshot,
+    fleet: live.FleetState,
+    formulas: dict[str, int],
+    held: dict[str, int],
+    shard_held: dict[str, int],
+    previous: dict[str, int | None],
+) -> dict[str, int]:
+    """Caps for tenants that want more than their fair share of a shard whose capacity
+    binds (tenants.limits.shard_caps). A tenant wants more when it holds as much as its key
+    allows now: its formula, or the cap it was given last tick."""
+    caps: dict[str, int] = {}
+    for shard_name, shard in policy.shards.items():
+        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
+        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
+        wanting = {tp.slug for tp in members if held[tp.slug] >= _key_limit(formulas[tp.slug], previous.get(tp.slug))}
+        if not wanting:
+            continue
+        holders = shard_held[shard_name]
+        # Only a full key can have waiters: the read is needed only then.
+        waiting = (
+            engine().inspect_key(tag=shard_tag(shard_name), key=SHARD_KEY, holders=False).waiting
+            if holders >= capacity
+            else 0
+        )
+        caps.update(
+            shard_caps(
+                capacity=capacity,
+                holders=holders,
+                waiting=waiting,
+                held={tp.slug: held[tp.slug] for tp in members},
+                wanting=wanting,
+                # As the shard key's fair order weighs them (fairqueue.jobs.admission).
+                weight={tp.slug: float(max(tp.floor, 1)) for tp in members},
+                floor={tp.slug: tp.floor for tp in members},
+            )
+        )
+    return caps

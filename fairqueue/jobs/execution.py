@@ -1,6 +1,11 @@
 """Running one delivery of a job on a worker: claim it, run its task, record the outcome,
 release its slots. The claim is a conditional update keyed on the job's generation, so a
 stale or duplicate message does nothing.
+
+When the release hands the freed slot to a job this worker may run
+(fairqueue.jobs.handoff), the same delivery runs that job next, in the same slot, with
+the same claim and lease, and so on: a chain of jobs under one broker message, which is
+acknowledged when the chain ends (at most MAX_INLINE_CHAIN jobs).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from fairqueue.engine import Woken
 from fairqueue.jobs import handback, live, payloads, stats
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.broker import split_engine_id
-from fairqueue.jobs.dispatch import job_release, job_release_or_defer, jobs_admit
+from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
+from fairqueue.jobs.handoff import inline_pick
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
@@ -28,16 +35,48 @@ from fairqueue.jobs.runtime import engine
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
+# A chain of inline handoffs runs under its first job's broker message, acknowledged when
+# the chain ends; past this many jobs the next is published instead, so a delivery is
+# acknowledged at least every so many jobs (what the broker and `celery inspect` show of
+# this worker stays current, and a redelivery after a visibility timeout stays rare; it
+# would be harmless: the generation guard skips a job already run).
+MAX_INLINE_CHAIN = 100
+
 
 def job_execute(*, job_id: str, generation: int, worker: str) -> str:
-    """Run one delivery of a job; returns what happened (for logs and tests)."""
+    """Run one delivery of a job, then each job its releases hand this slot (see the
+    module docstring); returns what happened to the delivered job (for logs and tests)."""
+    outcome, kept = _delivery_run(job_id=job_id, generation=generation, worker=worker, keep=inline_pick)
+    chain = 1
+    while kept is not None:
+        chain += 1
+        stats.count("handoff:inline")
+        kept_id, kept_generation = split_engine_id(kept.job_id)
+        try:
+            _, kept = _delivery_run(
+                job_id=kept_id,
+                generation=kept_generation,
+                worker=worker,
+                keep=inline_pick if chain < MAX_INLINE_CHAIN else None,
+            )
+        except Exception:
+            # Whatever failed (the database, say), the job must not sit on its slot without
+            # a delivery: publish it. Had it been claimed already, that delivery is skipped.
+            if kept is not None:
+                outcomes_handle(woken=[kept], reclaimed=[])
+            raise
+    return outcome
+
+
+def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick | None) -> tuple[str, Woken | None]:
+    """Run one job; returns what happened and the woken job `keep` picked to run next."""
     waiting = [JobStatus.QUEUED, JobStatus.PARKED]
     job = (
         Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
     )
     if job is None:
-        _release_if_finished(job_id, generation)
-        return "skipped"  # stale generation, cancelled, or already run: the guard that makes it once
+        # Stale generation, cancelled, or already run: the guard that makes it once.
+        return "skipped", _release_if_finished(job_id, generation, keep)
     if not job.engine_tag:  # a row from before placements were stored
         job.engine_tag = shard_tag(job.tenant.shard.name)
         job.engine_keys = KEY_SEPARATOR.join(
@@ -47,7 +86,7 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     # Rolling deploys: a job this worker's version cannot run goes back for another worker.
     cannot = handback.refusal(job)
     if cannot:
-        return handback.hand_back(job, cannot, worker=worker)
+        return handback.hand_back(job, cannot, worker=worker), None
     # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a
@@ -64,11 +103,11 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
             status=JobStatus.QUEUED, admitted_at=None
         )
-        return "engine_unreachable"
+        return "engine_unreachable", None
     if not renewed:
         # The hold was reclaimed before we started (the dispatch lease ran out): the job has
         # been or will be re-delivered under a new generation.
-        return "lost"
+        return "lost", None
     now = timezone.now()
     claimed = Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
         status=JobStatus.RUNNING,
@@ -78,7 +117,7 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         worker=worker,
     )
     if not claimed:
-        return "skipped"  # claimed by another delivery in between: it renews the hold itself
+        return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
@@ -105,7 +144,7 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         # engine reclaims the hold when its lease ends and the job is delivered again
         # (the finally below stops renewing it).
         log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
-        return "fenced"
+        return "fenced", None
     except Exception as exc:
         outcome = "failed"
         fields.update(
@@ -121,21 +160,22 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
         stats.count(f"finished:{fields['status']}")
-    job_release_or_defer(job)
+    kept = job_release_keeping(job, keep)
     try:
         live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     except Exception:  # a statistic; the job's outcome is already recorded
         log.warning("could not record the duration of job %s", job_id, exc_info=True)
-    return outcome
+    return outcome, kept
 
 
-def _release_if_finished(job_id: str, generation: int) -> None:
+def _release_if_finished(job_id: str, generation: int, keep: KeepPick | None) -> Woken | None:
     """A delivery of a job that finished (say, cancelled while its admission was in
     flight) may still hold the slots it was admitted with: give them back now rather than
     when its dispatch lease runs out. A no-op in the engine if nothing is held."""
     job = Job.objects.filter(id=job_id, generation=generation, status__in=sorted(TERMINAL_STATUSES)).first()
     if job is not None and job.engine_tag:
-        job_release_or_defer(job)
+        return job_release_keeping(job, keep)
+    return None
 
 
 def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:

@@ -11,13 +11,16 @@ The steps (the formulas themselves are in tenants.limits):
 2. its formula limit with that fair share and no idle share;
 3. tenants holding at least their formula limit (and not capped by their hard max) share
    the unheld slots (`idle_shares`), never past what their shard can run;
-4. the limit with both shares (`tenant_limit_for`, which also caps at the shard).
+4. where a shard's capacity binds, the tenants that want more than their fair share of it
+   are capped (`caps_for`: the tick reads the shard's waiters for it; tenants.limits.shard_caps);
+5. the limit with both shares and the cap (`tenant_limit_for`, which also caps at the shard).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from fairqueue.jobs.admission import LiveSignals, tenant_limit_for
 from tenants.limits import LimitBreakdown, fair_shares, idle_shares
@@ -36,6 +39,7 @@ class LimitsPlan:
     idle: dict[str, int]
     signals: dict[str, LiveSignals]  # the inputs with idle_share and fair_share filled in
     breakdowns: dict[str, LimitBreakdown]  # tenants of known shards only
+    caps: dict[str, int] = field(default_factory=dict)  # shard caps, where a shard binds
 
     def limit(self, slug: str) -> int:
         return self.breakdowns[slug].limit
@@ -48,10 +52,12 @@ def limits_plan(
     held: dict[str, int],
     slots: int,
     in_flight: int,
+    caps_for: Callable[[dict[str, int]], dict[str, int]] | None = None,
 ) -> LimitsPlan:
     """Decide every tenant's limit. `signals` has an entry per tenant of the policy (its
     idle and fair shares are ignored), `held` the holders of each tenant's key, `slots` the
-    pool's live slots and `in_flight` every job holding a slot, batch included."""
+    pool's live slots and `in_flight` every job holding a slot, batch included. `caps_for`,
+    given each tenant's formula limit, returns the shard caps (none when not given)."""
     # A ceiling depends on neither share: the signals as given serve for step 1. (The
     # what-if calls this every simulated half second: each replace below is a real cost.)
     ceilings = {}
@@ -85,12 +91,14 @@ def limits_plan(
     for slug, share in shares.items():
         capacity = policy.shards[policy.tenants[slug].shard].capacity
         shares[slug] = max(0, min(share, capacity - formulas[slug].limit))
+    caps = caps_for({slug: formula.limit for slug, formula in formulas.items()}) if caps_for else {}
     breakdowns = {}
     for tp in members:
         share = shares.get(tp.slug, 0)
-        if share:
-            planned[tp.slug] = dataclasses.replace(planned[tp.slug], idle_share=share)
+        cap = caps.get(tp.slug)
+        if share or cap is not None:
+            planned[tp.slug] = dataclasses.replace(planned[tp.slug], idle_share=share, shard_cap=cap)
             breakdowns[tp.slug] = tenant_limit_for(policy, tp, planned[tp.slug])
         else:  # the formula's own decision stands
             breakdowns[tp.slug] = formulas[tp.slug]
-    return LimitsPlan(fair=fair, idle=shares, signals=planned, breakdowns=breakdowns)
+    return LimitsPlan(fair=fair, idle=shares, signals=planned, breakdowns=breakdowns, caps=caps)

@@ -70,6 +70,8 @@ def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], 
 SHARES_KEY = "fq:{limits}:idle_share"  # HASH slug -> bonus; expires if no worker ticks
 SHARES_TTL_SECONDS = 3
 FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of the pool target
+SHARD_CAPS_KEY = "fq:{limits}:shard_cap"  # HASH slug -> cap where its shard binds (tenants.limits.shard_caps)
+TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> the limit the duty tick last set
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
 HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
@@ -102,6 +104,8 @@ class _TenantCache:
     flushed_at: float = 0.0
     idle_share: int = 0
     fair_share: float | None = None
+    shard_cap: int | None = None
+    tick_limit: int | None = None
     durations: list[float] = field(default_factory=list)  # finished jobs not yet folded in
     means_flushed_at: float = 0.0
 
@@ -203,13 +207,17 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
     pipe.get(mean_key(tenant_slug))
     pipe.hget(SHARES_KEY, tenant_slug)
     pipe.hget(FAIR_SHARES_KEY, tenant_slug)
+    pipe.hget(SHARD_CAPS_KEY, tenant_slug)
+    pipe.hget(TICK_LIMITS_KEY, tenant_slug)
     results, redone = _execute(pipe, durations)
-    *_, ring, mean, share, fair = results
+    *_, ring, mean, share, fair, cap, tick = results
     if redone:
         mean = redis_client().get(mean_key(tenant_slug))
     with _lock:
         entry.idle_share = int(share or 0)
         entry.fair_share = float(fair) if fair is not None else None
+        entry.shard_cap = int(cap) if cap is not None else None
+        entry.tick_limit = int(tick) if tick is not None else None
     counts = [int(c or 0) for c in ring]
     return rate_from_ring(counts, window_seconds=window), (float(mean) if mean else None)
 
@@ -290,6 +298,8 @@ def live_signals(*, tenant_slug: str) -> LiveSignals:
         in_flight=fleet.in_flight,
         idle_share=entry.idle_share,
         fair_share=entry.fair_share,
+        shard_cap=entry.shard_cap,
+        tick_limit=entry.tick_limit,
         held_elsewhere=fleet.held_elsewhere.get(f"t:{tenant_slug}", 0),
         shard_held_elsewhere=fleet.held_elsewhere.get(f"s:{tenant.shard}", 0) if tenant else 0,
     )
@@ -309,12 +319,25 @@ def held_elsewhere_publish(held: dict[str, int], *, drop: list[str] | tuple[str,
     _fleet = dataclasses.replace(_fleet, held_elsewhere=merged)
 
 
-def shares_publish(idle: dict[str, int], fair: dict[str, float] | None = None) -> None:
-    """Make the tick's idle and fair shares visible to every admitting process (one round
-    trip); they expire if no worker ticks."""
+def shares_publish(
+    idle: dict[str, int],
+    fair: dict[str, float] | None = None,
+    caps: dict[str, int] | None = None,
+    limits: dict[str, int] | None = None,
+) -> None:
+    """Make the tick's idle shares, fair shares, shard caps and the limits it sets visible
+    to every admitting process (one round trip); they expire if no worker ticks."""
     fair = fair or {}
+    caps = caps or {}
+    limits = limits or {}
     pipe = redis_client().pipeline(transaction=True)
-    for key, values in ((SHARES_KEY, idle), (FAIR_SHARES_KEY, {k: f"{v:.3f}" for k, v in fair.items()})):
+    published: tuple[tuple[str, dict[str, Any]], ...] = (
+        (SHARES_KEY, dict(idle)),
+        (FAIR_SHARES_KEY, {k: f"{v:.3f}" for k, v in fair.items()}),
+        (SHARD_CAPS_KEY, dict(caps)),
+        (TICK_LIMITS_KEY, dict(limits)),
+    )
+    for key, values in published:
         pipe.delete(key)
         if values:
             pipe.hset(key, mapping=dict[Any, Any](values))
@@ -324,6 +347,8 @@ def shares_publish(idle: dict[str, int], fair: dict[str, float] | None = None) -
         for slug, entry in _tenants.items():
             entry.idle_share = idle.get(slug, 0)
             entry.fair_share = fair.get(slug)
+            entry.shard_cap = caps.get(slug)
+            entry.tick_limit = limits.get(slug)
 
 
 def live_invalidate() -> None:

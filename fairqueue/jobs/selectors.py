@@ -105,6 +105,7 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
         "dedicated": breakdown.dedicated,
         "idle_share": breakdown.idle_share,
         "fair_share": round(breakdown.fair_share, 3) if breakdown.fair_share is not None else None,
+        "shard_cap": breakdown.shard_cap,
         "limit": breakdown.limit,
         "in_flight": key.held,
         "parked": key.waiting,

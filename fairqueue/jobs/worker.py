@@ -3,9 +3,10 @@
 On `worker_ready` it starts three daemon threads: the fleet heartbeat, which publishes the
 slots this worker offers; the backpressure sampler (fairqueue.jobs.backpressure), which
 shrinks them under resource pressure; and the ticker that runs the periodic duties while
-this worker holds the fleet's duty lease (fairqueue.jobs.leadership). On SIGTERM it drains;
-on shutdown it deregisters and hands the lease on. A worker killed with SIGKILL simply
-stops heartbeating and drops out of the fleet count.
+this worker holds the fleet's duty lease (fairqueue.jobs.leadership). It lets released
+slots go straight to the jobs they wake (fairqueue.jobs.handoff). On SIGTERM it stops
+those handoffs and drains; on shutdown it deregisters and hands the lease on. A worker
+killed with SIGKILL simply stops heartbeating and drops out of the fleet count.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fairqueue.jobs.backpressure import Backpressure
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
+from fairqueue.jobs.handoff import handoff_enable, handoff_stop
 from fairqueue.jobs.leadership import DutyLease
 from fairqueue.jobs.leases import active_leases
 
@@ -95,12 +97,22 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
     threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
+    handoff_enable(lambda: _consumed_queues(sender))
     log.info("worker %s registered with %s slots", hostname, slots)
+
+
+def _consumed_queues(consumer: Any) -> list[str]:
+    """The queues the worker's task consumer reads now, in its order (none while it is
+    not running, e.g. reconnecting to the broker)."""
+    task_consumer = getattr(consumer, "task_consumer", None)
+    return [q.name for q in task_consumer.queues] if task_consumer is not None else []
 
 
 @worker_shutting_down.connect
 def _on_worker_shutting_down(sig: str | None = None, how: str | None = None, **kwargs: Any) -> None:
-    """SIGTERM (an autoscaler scaling in): finish what we can within the grace period."""
+    """SIGTERM (an autoscaler scaling in): finish what we can within the grace period,
+    starting nothing new: jobs woken from now on are published for other workers."""
+    handoff_stop()
     grace = float(settings.FAIRQUEUE["SHUTDOWN_GRACE_SECONDS"])
     threading.Thread(target=_drain, args=(grace,), name="fairqueue-drain", daemon=True).start()
 
@@ -127,6 +139,7 @@ def _drain(grace: float) -> None:
 
 @worker_shutdown.connect
 def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    handoff_stop()
     _stop.set()
     if _backpressure is not None:
         _backpressure.stop()

@@ -1,0 +1,88 @@
+"""Slot handoff: the worker whose release freed a slot runs the job the engine handed it.
+
+A release gives the freed slot to the next waiter in the same engine call. Publishing that
+job left the worker slot idle for a publish, a broker wait and another worker's fetch;
+instead the releasing worker runs it at once in the same slot when it may:
+
+- it consumes the job's queue (every worker reads `fq.jobs`; `fq.batch` unless started
+  with `--no-batch` / `-X fq.batch`);
+- it is not shutting down (a warm shutdown starts nothing new: it publishes);
+- the broker holds no delivery this worker would fetch first (a higher latency class, or
+  the same class published earlier; for a batch job, anything). The slot would then have
+  taken this job, or one just like it, next anyway, so strict class order holds. A
+  delivery published between that check and the start waits for one job: the inversion
+  is bounded by one job per slot, the same as a delivery that lands just after a worker
+  fetched a lower class.
+
+The job is still claimed through the generation guard and leased like any delivery
+(fairqueue.jobs.execution); only the broker message is skipped. Anything the pick declines
+or fails on is published as before (fairqueue.jobs.dispatch).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from celery.worker import state as celery_state
+
+from fairqueue.engine import Woken
+from fairqueue.jobs.broker import BATCH_ROUTE, deliveries_ahead, delivery_queue
+
+log = logging.getLogger("fairqueue.jobs.handoff")
+
+_lock = threading.Lock()
+_consumed: Callable[[], Sequence[str]] | None = None
+_stopping = threading.Event()
+
+
+def handoff_enable(consumed: Callable[[], Sequence[str]]) -> None:
+    """Let this process run woken jobs inline; `consumed` names the queues its worker
+    reads right now, in its fetch order (a remote `cancel_consumer` changes them)."""
+    global _consumed
+    with _lock:
+        _consumed = consumed
+        _stopping.clear()
+
+
+def handoff_stop() -> None:
+    """The worker is shutting down: from now on woken jobs are published."""
+    _stopping.set()
+
+
+def handoff_disable() -> None:
+    global _consumed
+    with _lock:
+        _consumed = None
+
+
+def _celery_stopping() -> bool:
+    """Celery's own flags: set by any warm or cold shutdown, signal or not (an exit code,
+    0 included, or None)."""
+    return celery_state.should_stop is not None or celery_state.should_terminate is not None
+
+
+def _fetch_rank(woken: Woken) -> tuple[bool, int]:
+    """Classes first, highest (level 0) first; the batch lane last."""
+    route = woken.data
+    return route == BATCH_ROUTE, int(route) if route.isdigit() else 0
+
+
+def inline_pick(woken: Sequence[Woken]) -> Woken | None:
+    """The woken job this worker runs in the slot it just freed, or None to publish all.
+
+    Costs one broker round trip (the backlog check) when there is a candidate, against
+    the publish and the fetch it saves.
+    """
+    consumed = _consumed
+    if consumed is None or not woken or _stopping.is_set() or _celery_stopping():
+        return None
+    queues = list(consumed())
+    runnable = [w for w in woken if delivery_queue(w.data) in queues]
+    if not runnable:
+        return None
+    first = min(runnable, key=_fetch_rank)
+    if deliveries_ahead(first.data, queues):
+        return None
+    return first
