@@ -15,8 +15,9 @@ from django.contrib.auth import get_user_model
 from tenants.models import Tenant
 from tests.base import RedisTransactionTestCase
 from tests.factories import make_tenant
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT, Daphne, free_port
+from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
 from tests.test_whatif import rows_of_a_busy_half_hour
+from tests.web import web_server
 
 # Sync Playwright runs an event loop in this thread; the ORM calls of the test itself are safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
@@ -33,10 +34,10 @@ class WhatIfPreviewInABrowser(RedisTransactionTestCase):
         steady, _ = make_tenant("steady", floor=1, shard_capacity=8)
         self.bursty, _ = make_tenant("bursty", floor=1, shard_capacity=8)
         rows_of_a_busy_half_hour(steady, self.bursty)
-        self.server = Daphne(free_port())
+        self.server = web_server(production=True, processes=2)
         self.server.start()
         self.addCleanup(self.server.stop)
-        self.base = f"http://127.0.0.1:{self.server.port}"
+        self.base = self.server.base_url
 
     def test_preview_renders_the_comparison(self) -> None:
         from playwright.sync_api import expect, sync_playwright
