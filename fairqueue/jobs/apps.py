@@ -12,12 +12,15 @@ class JobsConfig(AppConfig):
     verbose_name = "Jobs"
 
     def ready(self) -> None:
-        # Register the demo tasks, the worker's and the admin's signal handlers in every process.
+        # Every import below reads models, which Django allows only once the app registry is
+        # ready (this method): not a cycle dodged, the registry's order. Register the demo
+        # tasks, the worker's and the admin's signal handlers in every process.
         from fairqueue.jobs import demo_tasks, signals, worker  # noqa: F401
 
         # The deployment's own task modules: each registers its tasks on import.
         for module in settings.FAIRQUEUE["TASK_MODULES"]:
             importlib.import_module(module)
+        # The jobs side's answers to the tenants admin (providers: tenants imports no jobs code).
         from fairqueue.jobs.moves import tenants_move_preview
         from fairqueue.jobs.selectors import tenant_admin_live_state
         from fairqueue.jobs.whatif import whatif_compare
