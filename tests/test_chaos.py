@@ -1,7 +1,8 @@
 """The short chaos run: real workers SIGKILLed and Redis flushed under REST load (issue 8, point 4).
 
-Needs its own empty Redis database (FAIRQUEUE_CHAOS_REDIS_URL, default db 6); it runs
-its own daphne and workers on a fresh SQLite file under var/chaos/quick/.
+Runs on a private redis-server of its own (or on FAIRQUEUE_CHAOS_REDIS_URL, which must be
+an empty database), so two runs of the suite on one machine cannot meet in one database;
+it runs its own daphne and workers on a fresh SQLite file under var/chaos/quick/.
 """
 
 from __future__ import annotations
@@ -10,35 +11,43 @@ import io
 import json
 import os
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import SimpleTestCase, tag
 
-from fairqueue.chaos import DEFAULT_REDIS_URL
+from tests.redis_server import RedisServer
+
+
+def chaos_run(test: SimpleTestCase, *args: str) -> tuple[dict, str]:
+    """Run `manage.py chaos --quick` with `args`; return its JSON report and the context to
+    show when an assertion fails (the report's summary and the run's output)."""
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        path = Path(tmp) / "chaos.json"
+        redis_url = os.environ.get("FAIRQUEUE_CHAOS_REDIS_URL") or stack.enter_context(RedisServer()).url
+        failed = None
+        try:
+            call_command("chaos", "--quick", *args, "--json", str(path), "--redis-url", redis_url, stdout=out)
+        except CommandError as exc:
+            failed = exc
+        test.assertTrue(path.exists(), f"no report written ({failed}); output:\n{out.getvalue()}")
+        report = json.loads(path.read_text())
+    summary = {k: v for k, v in report.items() if k != "details"}
+    context = f"{summary}\n{out.getvalue()}"
+    test.assertIsNone(failed, context)
+    test.assertTrue(report["ok"], context)
+    test.assertGreater(report["accepted"], 0, context)
+    test.assertEqual(report["accepted"], report["succeeded"], context)
+    return report, context
 
 
 @tag("slow", "chaos")
 class ChaosQuickTests(SimpleTestCase):
     def test_quick_chaos_run_loses_nothing_and_runs_everything_once(self) -> None:
-        out = io.StringIO()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "chaos.json"
-            redis_url = os.environ.get("FAIRQUEUE_CHAOS_REDIS_URL", DEFAULT_REDIS_URL)
-            failed = None
-            try:
-                call_command("chaos", "--quick", "--json", str(path), "--redis-url", redis_url, stdout=out)
-            except CommandError as exc:
-                failed = exc
-            self.assertTrue(path.exists(), f"no report written ({failed}); output:\n{out.getvalue()}")
-            report = json.loads(path.read_text())
-        summary = {k: v for k, v in report.items() if k != "details"}
-        context = f"{summary}\n{out.getvalue()}"
-        self.assertIsNone(failed, context)
-        self.assertTrue(report["ok"], context)
-        self.assertGreater(report["accepted"], 0, context)
-        self.assertEqual(report["accepted"], report["succeeded"], context)
+        report, context = chaos_run(self)
         self.assertEqual(report["lost"], 0, context)
         self.assertEqual(report["duplicated"], 0, context)
         self.assertEqual(report["over_limit_events"], 0, context)
@@ -60,26 +69,10 @@ class ChaosClusterQuickTests(SimpleTestCase):
     the nodes' ports; free ones otherwise."""
 
     def test_quick_cluster_chaos_run_loses_nothing_runs_everything_once_and_reports_the_failover(self) -> None:
-        out = io.StringIO()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "chaos.json"
-            args = ["--quick", "--cluster", "--json", str(path)]
-            args += ["--redis-url", os.environ.get("FAIRQUEUE_CHAOS_REDIS_URL", DEFAULT_REDIS_URL)]
-            if os.environ.get("FAIRQUEUE_CHAOS_CLUSTER_PORTS"):
-                args += ["--cluster-ports", os.environ["FAIRQUEUE_CHAOS_CLUSTER_PORTS"]]
-            failed = None
-            try:
-                call_command("chaos", *args, stdout=out)
-            except CommandError as exc:
-                failed = exc
-            self.assertTrue(path.exists(), f"no report written ({failed}); output:\n{out.getvalue()}")
-            report = json.loads(path.read_text())
-        summary = {k: v for k, v in report.items() if k != "details"}
-        context = f"{summary}\n{out.getvalue()}"
-        self.assertIsNone(failed, context)
-        self.assertTrue(report["ok"], context)
-        self.assertGreater(report["accepted"], 0, context)
-        self.assertEqual(report["accepted"], report["succeeded"], context)
+        args = ["--cluster"]
+        if os.environ.get("FAIRQUEUE_CHAOS_CLUSTER_PORTS"):
+            args += ["--cluster-ports", os.environ["FAIRQUEUE_CHAOS_CLUSTER_PORTS"]]
+        report, context = chaos_run(self, *args)
         for zero in ("lost", "duplicated", "missing_side_effects", "leaked_holds"):
             self.assertEqual(report[zero], 0, f"{zero}: {context}")
         self.assertEqual((report["failovers"], report["primary_data_losses"]), (1, 1), context)
