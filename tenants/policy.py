@@ -55,6 +55,29 @@ class TenantPolicy:
     version: int
 
     @classmethod
+    def plain(cls, slug: str, *, shard: str, **overrides: Any) -> TenantPolicy:
+        """A tenant with the admin's default policy (floor 2, burst 2 or 50 %, no hard max),
+        for simulations and tests that build policy without the database."""
+        return dataclasses.replace(
+            cls(
+                slug=slug,
+                name=slug,
+                active=True,
+                shard=shard,
+                floor=2,
+                burst_floor=2,
+                burst_pct=0.5,
+                max_concurrency=None,
+                dedicated=0,
+                batch_enabled=False,
+                default_class=DEFAULT_CLASS,
+                sub_tenant_share=0.5,
+                version=1,
+            ),
+            **overrides,
+        )
+
+    @classmethod
     def from_hash(cls, data: dict[str, str]) -> TenantPolicy:
         max_concurrency = data.get("max_concurrency", "")
         return cls(

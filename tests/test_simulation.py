@@ -25,22 +25,7 @@ KEYS = ["a", "b", "c", "d"]
 
 
 def tenant(slug: str, **fields: object) -> TenantPolicy:
-    base = TenantPolicy(
-        slug=slug,
-        name=slug,
-        active=True,
-        shard="s",
-        floor=2,
-        burst_floor=2,
-        burst_pct=0.5,
-        max_concurrency=None,
-        dedicated=0,
-        batch_enabled=False,
-        default_class="default",
-        sub_tenant_share=0.5,
-        version=1,
-    )
-    return replace(base, **fields)  # type: ignore[arg-type]
+    return TenantPolicy.plain(slug, shard="s", **fields)
 
 
 def policy(*tenants: TenantPolicy, capacity: int = 1000, **pool: object) -> PolicySnapshot:

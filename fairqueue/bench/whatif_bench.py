@@ -39,24 +39,7 @@ LATENCIES = Latencies(
 )
 HOURS = {"default": 24.0, "quick": 1.0}
 TARGET_RATIO = 1000.0
-
-
-def _tenant(slug: str) -> TenantPolicy:
-    return TenantPolicy(
-        slug=slug,
-        name=slug,
-        active=True,
-        shard="busy",
-        floor=2,
-        burst_floor=2,
-        burst_pct=0.5,
-        max_concurrency=None,
-        dedicated=0,
-        batch_enabled=False,
-        default_class="default",
-        sub_tenant_share=0.5,
-        version=1,
-    )
+SHARD = "busy"
 
 
 def workload(hours: float, seed: int = SEED) -> tuple[PolicySnapshot, list[Arrival]]:
@@ -81,11 +64,11 @@ def workload(hours: float, seed: int = SEED) -> tuple[PolicySnapshot, list[Arriv
         ]
         burst_at += BURST_EVERY_S
     arrivals.sort(key=lambda a: a.at)
-    tenants = {f"steady-{i}": _tenant(f"steady-{i}") for i in range(STEADY_TENANTS)}
-    tenants["bursty"] = _tenant("bursty")
+    tenants = {f"steady-{i}": TenantPolicy.plain(f"steady-{i}", shard=SHARD) for i in range(STEADY_TENANTS)}
+    tenants["bursty"] = TenantPolicy.plain("bursty", shard=SHARD)
     policy = PolicySnapshot(
         tenants=tenants,
-        shards={"busy": ShardPolicy("busy", 200, 1)},
+        shards={SHARD: ShardPolicy(SHARD, 200, 1)},
         classes={"default": ClassPolicy("default", 3600, 100, 1)},
         pool=replace(PoolPolicy()),
     )
@@ -98,7 +81,7 @@ def run(*, quick: bool, hours: float | None = None, log: Any = print) -> dict[st
     log(f"bench whatif: {hours:g} h of a busy shard, {len(arrivals):,} jobs, {SLOTS} slots")
     t0 = time.perf_counter()
     result = simulate(
-        arrivals, policy=policy, shard="busy", config=SimConfig(slots=SLOTS, latencies=LATENCIES, end=hours * 3600)
+        arrivals, policy=policy, shard=SHARD, config=SimConfig(slots=SLOTS, latencies=LATENCIES, end=hours * 3600)
     )
     wall = time.perf_counter() - t0
     ratio = hours * 3600 / wall
