@@ -13,14 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import redis
-from django.contrib.auth import get_user_model
 
 from fairqueue.jobs.capacity import HISTORY_KEY, capacity_figures, capacity_read, profiles_read, profiles_refresh
 from fairqueue.jobs.fleet import WORKERS_KEY, fleet_read
@@ -28,8 +25,8 @@ from fairqueue.jobs.forecast import profiles_at
 from fairqueue.jobs.submission import JobRequest, job_submit
 from tests import worker_tasks  # noqa: F401  (registers test.hog here, to submit it)
 from tests.base import RedisTransactionTestCase
+from tests.browser import OUTPUT, chromium_launch, chromium_require, staff_create, staff_login
 from tests.factories import make_tenant
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
 from tests.test_forecast import history_jobs
 from tests.web import web_server
 from tests.workers import WorkerProcess, wait_for
@@ -66,9 +63,8 @@ class CapacityBrowserTests(RedisTransactionTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
-        get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+        chromium_require(self)
+        staff_create()
         self.tenant, _ = make_tenant("acme", floor=4, max_concurrency=8)
         hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
         for offset, busy in RISE.items():
@@ -85,7 +81,6 @@ class CapacityBrowserTests(RedisTransactionTestCase):
     def test_capacity_chart_and_worker_backpressure_in_a_real_browser(self) -> None:
         from playwright.sync_api import expect, sync_playwright  # heavy, and only this test needs it
 
-        OUTPUT.mkdir(parents=True, exist_ok=True)
         steady = WorkerProcess(slots=8, name="steady")
         pressed = WorkerProcess(
             slots=WORKER_SLOTS,
@@ -104,14 +99,10 @@ class CapacityBrowserTests(RedisTransactionTestCase):
             wait_for(lambda: int(self.redis.hget(WORKERS_KEY, pressed.hostname) or 9) == 1, timeout=60)
             steady.start()
             self.addCleanup(steady.kill)
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            browser = chromium_launch(pw)
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
             try:
-                page.goto(f"{self.base}/admin/login/?next=/dashboard/")
-                page.fill("#id_username", "ops")
-                page.fill("#id_password", "pw-ops-123")
-                page.click("input[type=submit]")
-                page.wait_for_url(f"{self.base}/dashboard/")
+                staff_login(page, self.base, "/dashboard/")
                 expect(page.locator("#conn-state")).to_have_text("live", timeout=10_000)
 
                 expect(page.locator("#cap-slots")).to_have_text("9", timeout=10_000)  # 8 + the pressed worker's 1

@@ -10,33 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.request
 from datetime import timedelta
-from pathlib import Path
 
-from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from fairqueue.jobs.models import Job
 from tests.base import RedisTransactionTestCase
+from tests.browser import OUTPUT, chromium_launch, chromium_require, staff_create, staff_login
 from tests.factories import make_tenant
 from tests.web import web_server
-from tests.workers import ROOT, WorkerProcess
+from tests.workers import WorkerProcess
 
 # Sync Playwright runs an event loop in this thread; the ORM calls of the test itself are safe.
 os.environ.setdefault("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-OUTPUT = ROOT / "var" / "test-output"
 
 
 class DashboardBrowserTests(RedisTransactionTestCase):
@@ -44,9 +31,8 @@ class DashboardBrowserTests(RedisTransactionTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
-        get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+        chromium_require(self)
+        staff_create()
         self.tenant, self.key = make_tenant("acme", max_concurrency=1)
         self.slow, self.slow_key = make_tenant("slowpoke", max_concurrency=1)
         # Two worker processes: the page and its websocket may be served by different ones.
@@ -70,20 +56,15 @@ class DashboardBrowserTests(RedisTransactionTestCase):
     def test_live_dashboard_in_a_real_browser(self) -> None:
         from playwright.sync_api import expect, sync_playwright
 
-        OUTPUT.mkdir(parents=True, exist_ok=True)
         with WorkerProcess(slots=2), sync_playwright() as pw:
             # Another tenant, capped at 1, with a job parked behind a long one; it is made to
             # look 700 s old, past twice the `high` objective (300 s): a red cell.
             self.submit(2, key=self.slow_key, seconds=60, priority="high")
             Job.objects.filter(tenant=self.slow).update(submitted_at=timezone.now() - timedelta(seconds=700))
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            browser = chromium_launch(pw)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             try:
-                page.goto(f"{self.base}/admin/login/?next=/dashboard/")
-                page.fill("#id_username", "ops")
-                page.fill("#id_password", "pw-ops-123")
-                page.click("input[type=submit]")
-                page.wait_for_url(f"{self.base}/dashboard/")
+                staff_login(page, self.base, "/dashboard/")
                 page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
 
                 row = page.locator("tr[data-tenant=acme]")

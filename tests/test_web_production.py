@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import tempfile
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from django.core.handlers.asgi import ASGIHandler
@@ -21,8 +20,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.base import RedisTransactionTestCase
+from tests.browser import OUTPUT, chromium_launch, chromium_require
 from tests.factories import make_tenant
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
 from tests.web import web_server
 
 # Chromium resolves no host name but 127.0.0.1: a page needing a CDN cannot load here.
@@ -78,12 +77,10 @@ class ProductionServerTests(RedisTransactionTestCase):
         self.addCleanup(self.server.stop)
 
     def test_api_docs_load_from_the_app_with_no_outside_network(self) -> None:
-        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
-        OUTPUT.mkdir(parents=True, exist_ok=True)
+        chromium_require(self)
         here = f"127.0.0.1:{self.server.port}"
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + OFFLINE_ARGS, headless=True)
+            browser = chromium_launch(pw, *OFFLINE_ARGS)
             # The guard itself: an outside host does not resolve in this browser.
             probe = browser.new_page()
             with self.assertRaisesRegex(Exception, "ERR_NAME_NOT_RESOLVED"):

@@ -7,15 +7,11 @@ still in the form and nothing saved. Screenshot: var/test-output/whatif-preview.
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
-
-from django.contrib.auth import get_user_model
 
 from tenants.models import Tenant
 from tests.base import RedisTransactionTestCase
+from tests.browser import OUTPUT, chromium_launch, chromium_require, staff_create, staff_login
 from tests.factories import make_tenant
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
 from tests.test_whatif import rows_of_a_busy_half_hour
 from tests.web import web_server
 
@@ -28,9 +24,8 @@ class WhatIfPreviewInABrowser(RedisTransactionTestCase):
 
     def setUp(self) -> None:
         super().setUp()
-        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
-        get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True, is_superuser=True)
+        chromium_require(self)
+        staff_create(superuser=True)
         steady, _ = make_tenant("steady", floor=1, shard_capacity=8)
         self.bursty, _ = make_tenant("bursty", floor=1, shard_capacity=8)
         rows_of_a_busy_half_hour(steady, self.bursty)
@@ -42,17 +37,12 @@ class WhatIfPreviewInABrowser(RedisTransactionTestCase):
     def test_preview_renders_the_comparison(self) -> None:
         from playwright.sync_api import expect, sync_playwright
 
-        OUTPUT.mkdir(parents=True, exist_ok=True)
         url = f"/admin/tenants/tenant/{self.bursty.pk}/change/"
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            browser = chromium_launch(pw)
             page = browser.new_page(viewport={"width": 1440, "height": 1000})
             try:
-                page.goto(f"{self.base}/admin/login/?next={url}")
-                page.fill("#id_username", "ops")
-                page.fill("#id_password", "pw-ops-123")
-                page.click("input[type=submit]")
-                page.wait_for_url(f"{self.base}{url}")
+                staff_login(page, self.base, url)
                 expect(page.locator("#fq-live-state")).to_contain_text("limit")
                 page.fill("#id_max_concurrency", "2")
                 page.fill("input[name=_whatif_hours]", "1")
