@@ -16,7 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
 
+from dashboard.metrics import collector_register
 from fairqueue.jobs.api import api
 from fairqueue.jobs.demo_tasks import PARSE_TIMEOUT_SECONDS
 from fairqueue.jobs.isolation import IsolatedPool
@@ -53,6 +55,13 @@ class _Api:
         assert response.status_code == 200, response.content
         return response.json()  # type: ignore[no-any-return]
 
+    def attempts_failed(self) -> dict[str, float]:
+        """fairqueue_task_attempts_failed_total by reason, as /metrics shows it."""
+        collector_register().invalidate()
+        text = self.client.get("/metrics").content.decode()
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "fairqueue_task_attempts_failed")
+        return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
     def finished(self, job_id: str) -> dict[str, Any] | None:
         job = self.job(job_id)
         return job if job["status"] in FINISHED else None
@@ -69,9 +78,13 @@ class IsolatedOnWorkerTests(_Api, RedisTransactionTestCase):
         self.client = Client(raise_request_exception=False)
 
     def test_runaway_tasks_are_killed_at_their_limits_while_quick_jobs_on_the_worker_succeed(self) -> None:
-        with WorkerProcess(slots=4, name="iso", FAIRQUEUE_TASK_MODULES=TASKS) as worker:
+        with WorkerProcess(
+            slots=4, name="iso", FAIRQUEUE_TASK_MODULES=TASKS, FAIRQUEUE_ISOLATED_POOL_SIZE="3"
+        ) as worker:
             spin = self.submit({"task": "test.spin", "args": {"seconds": 600}})
             grow = self.submit({"task": "test.grow", "args": {"chunk_mb": 8}})
+            # One that lifts its own address-space cap: the worker's watch on its memory stops it.
+            uncapped = self.submit({"task": "test.grow", "args": {"chunk_mb": 8, "lift_cap": True}})
             wait_for(lambda: self.job(spin["id"])["status"] == "running", timeout=60, message="the spin to start")
             # While the runaway spins in its child, the worker's other slots run quick jobs.
             quick = [self.submit({"task": "demo.sleep", "args": {"seconds": 0.2}})["id"] for _ in range(3)]
@@ -79,7 +92,8 @@ class IsolatedOnWorkerTests(_Api, RedisTransactionTestCase):
                 wait_for(lambda job_id=job_id: self.finished(job_id), timeout=60, message="a quick job")
 
             spun = wait_for(lambda: self.finished(spin["id"]), timeout=120, message="the spin to be killed")
-            grown = wait_for(lambda: self.finished(grow["id"]), timeout=120, message="the growth to be killed")
+            grown = wait_for(lambda: self.finished(grow["id"]), timeout=120, message="the growth to be stopped")
+            watched = wait_for(lambda: self.finished(uncapped["id"]), timeout=120, message="the growth to be killed")
 
             self.assertEqual((spun["status"], spun["error_reason"]), ("failed", "timeout"), spun["error"])
             self.assertIn("timeout", spun["error"])
@@ -91,6 +105,9 @@ class IsolatedOnWorkerTests(_Api, RedisTransactionTestCase):
 
             self.assertEqual((grown["status"], grown["error_reason"]), ("failed", "memory_limit"), grown["error"])
             self.assertIn(f"{GROW_MEMORY_LIMIT_MB:g} MiB", grown["error"])
+            self.assertIn("needed more than its limit", grown["error"], "the address-space cap refused it")
+            self.assertEqual((watched["status"], watched["error_reason"]), ("failed", "memory_limit"), watched["error"])
+            self.assertIn("its process was killed", watched["error"], "the worker's memory watch killed it")
 
             for job_id in quick:
                 done = self.job(job_id)
@@ -98,7 +115,7 @@ class IsolatedOnWorkerTests(_Api, RedisTransactionTestCase):
                 # They finished while the spin was still running: nothing waited for it.
                 self.assertGreater(_seconds(done["finished_at"], spun["finished_at"]), 0)
             self.assertIsNone(worker.proc.poll() if worker.proc else None, "the worker itself lives on")
-            for row in Job.objects.filter(id__in=[spin["id"], grow["id"], *quick]):
+            for row in Job.objects.filter(id__in=[spin["id"], grow["id"], uncapped["id"], *quick]):
                 self.assertEqual((row.worker, row.attempts, row.worker_losses), (worker.hostname, 1, 0))
 
             # The pool replaced the killed children: isolated work goes on on the same worker.
@@ -107,6 +124,13 @@ class IsolatedOnWorkerTests(_Api, RedisTransactionTestCase):
             self.assertEqual(parsed["status"], "succeeded", parsed["error"])
             self.assertEqual(parsed["timeout_seconds"], PARSE_TIMEOUT_SECONDS)
             self.assertEqual(LedgerEntry.objects.get(job_id=parse["id"]).writes, 1, "the child wrote its ledger once")
+            # /metrics counts the failed attempts by reason (the worker folds its counts in each heartbeat).
+            counted = wait_for(
+                lambda: (c := self.attempts_failed())["timeout"] and c["memory_limit"] == 2 and c,
+                timeout=60,
+                message="the failures counted in /metrics",
+            )
+            self.assertEqual((counted["timeout"], counted["memory_limit"], counted["crashed"]), (1, 2, 0))
 
     def test_an_isolated_task_runs_in_a_child_and_its_result_or_error_comes_back(self) -> None:
         with WorkerProcess(slots=2, name="iso", FAIRQUEUE_TASK_MODULES=TASKS) as worker:

@@ -6,6 +6,7 @@ The test process imports this module too, so it can submit them.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from typing import Any
 
@@ -60,6 +61,7 @@ def spin(ctx: JobContext, args: SpinArgs) -> dict[str, Any]:
 class GrowArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     chunk_mb: int = Field(default=16, ge=1, le=256)
+    lift_cap: bool = False  # lift the child's address-space cap first: only the worker's RSS watch is left
 
 
 GROW_MEMORY_LIMIT_MB = 200.0
@@ -68,6 +70,9 @@ GROW_MEMORY_LIMIT_MB = 200.0
 @fairqueue_task("test.grow", args=GrowArgs, isolated=True, timeout_seconds=300, memory_limit_mb=GROW_MEMORY_LIMIT_MB)
 def grow(ctx: JobContext, args: GrowArgs) -> None:
     """Allocate (and touch) memory without bound."""
+    if args.lift_cap:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     chunks = []
     while True:
         chunks.append(bytearray(b"\x01") * (args.chunk_mb * MIB))

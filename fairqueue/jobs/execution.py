@@ -160,11 +160,13 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         return "fenced", None
     except Exception as exc:
         outcome = "failed"
+        reason = failure_reason(exc)  # "timeout", "memory_limit", "crashed" or "exception"
         fields.update(
             status=JobStatus.FAILED,
             error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"[:10_000],
-            error_reason=failure_reason(exc),  # "timeout", "memory_limit", "crashed" or "exception"
+            error_reason=reason,
         )
+        stats.count(f"attempt_failed:{reason}")
     finally:
         lost = active_leases.remove(job.engine_id)
     finished = timezone.now()

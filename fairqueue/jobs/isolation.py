@@ -11,9 +11,10 @@ meanwhile watches:
   that checks `ctx.check_deadline()` stops by itself) the child is SIGKILLed: TaskTimeout;
 - memory: the child caps its address space (RLIMIT_AS) at its size when the task starts
   plus the task's limit, so an allocation past it fails in the task (MemoryError, turned
-  into TaskMemoryLimit, and the child retires); the worker also samples the child's
-  resident memory and kills it once it has grown by more than the limit (memory that was
-  reserved before the task started): TaskMemoryLimit;
+  into TaskMemoryLimit, and the child retires). The cap is exact but cannot see memory
+  reserved before the task started, nor a task that lifts it; so the worker also samples
+  the child's resident memory and kills it once it has grown by more than the limit plus
+  RSS_SLACK_MB (the slack lets the exact cap act first): TaskMemoryLimit;
 - the hold: once the worker can no longer trust it holds the job (fencing), the child's
   `ctx.hold_lost()` turns true, it has STOP_GRACE_SECONDS to stop, then it is killed; the
   delivery ends fenced (HoldLost), like a task that runs in the worker;
@@ -61,6 +62,7 @@ KILL_GRACE_SECONDS = 0.5  # past the timeout, for a task that checks its deadlin
 STOP_GRACE_SECONDS = 1.0  # for a child told its hold is lost to stop before it is killed
 START_TIMEOUT_SECONDS = 120.0  # a fresh child imports Django and the tasks; slow on a loaded host
 PARENT_CHECK_SECONDS = 1.0  # how often a child checks that its worker still lives
+RSS_SLACK_MB = 32.0  # the resident-memory watch's margin over the limit (see the module docstring)
 
 
 class IsolatedTaskError(Exception):
@@ -210,7 +212,7 @@ class IsolatedPool:
             if timeout is not None and now - started > timeout + KILL_GRACE_SECONDS:
                 child.kill()
                 raise TaskTimeout(f"timeout: task {task} ran past its limit of {timeout:g} s; its process was killed")
-            if limit_mb is not None and (grown := child.resident_bytes() - baseline) > limit_mb * MIB:
+            if limit_mb is not None and (grown := child.resident_bytes() - baseline) > (limit_mb + RSS_SLACK_MB) * MIB:
                 child.kill()
                 raise TaskMemoryLimit(
                     f"memory_limit: task {task} grew by {grown / MIB:.0f} MiB, past its limit of "

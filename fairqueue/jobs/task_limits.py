@@ -15,6 +15,8 @@ EXCEPTION = "exception"
 TIMEOUT = "timeout"
 MEMORY_LIMIT = "memory_limit"
 CRASHED = "crashed"
+# Every reason an attempt on a worker can fail with (the metric's labels are these).
+ATTEMPT_FAILURE_REASONS = (EXCEPTION, TIMEOUT, MEMORY_LIMIT, CRASHED)
 
 
 class TaskStopped(Exception):
