@@ -10,6 +10,8 @@ stops (or is killed), and is replaced after a kill.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from datetime import datetime
@@ -221,11 +223,15 @@ class TimeoutSubmitTests(_Api, RedisTestCase):
 
 
 class IsolatedPoolTests(RedisTestCase):
-    """The pool driven directly from this process, with real child processes. The demo
-    tasks serve (the children set Django up from this process's settings)."""
+    """The pool driven directly from this process, with real child processes (they set
+    Django up from this process's settings; the tasks used write nothing to a database)."""
 
     def setUp(self) -> None:
         super().setUp()
+        # The children import the test tasks too (they read the setting from the environment).
+        modules = os.environ.get("FAIRQUEUE_TASK_MODULES")
+        os.environ["FAIRQUEUE_TASK_MODULES"] = TASKS
+        self.addCleanup(_env_restore, "FAIRQUEUE_TASK_MODULES", modules)
         self.pool = IsolatedPool(1)
         self.addCleanup(self.pool.stop)
         self.lost = threading.Event()
@@ -276,8 +282,25 @@ class IsolatedPoolTests(RedisTestCase):
         self.assertIn("Raised in the isolated process", "".join(getattr(caught.exception, "__notes__", [])))
         self.assertEqual(len(self.children()), 1, "it stopped by itself: the child is kept")
 
+    def test_a_sigterm_to_the_child_does_not_end_its_task(self) -> None:
+        """A service manager stopping a worker signals its whole group: the worker drains,
+        and its children must not die under their tasks meanwhile."""
+        self.assertIsNone(self.pool.run(task="demo.noop", raw_args={}, ctx=self.ctx(), memory_limit_mb=None))
+        (pid,) = self.children()
+        threading.Timer(1.0, os.kill, args=(pid, signal.SIGTERM)).start()
+        value = self.pool.run(task="test.spin", raw_args={"seconds": 3}, ctx=self.ctx(), memory_limit_mb=None)
+        self.assertGreater(value["turns"], 0)
+        self.assertEqual(self.children(), [pid], "the same child, still serving")
+
     def children(self) -> list[int]:
         return self.pool.idle_pids()
+
+
+def _env_restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _seconds(start: str, end: str) -> float:

@@ -38,6 +38,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import signal
 import threading
 import time
 import traceback
@@ -260,6 +261,11 @@ def isolated_pool_stop() -> None:
 def _child_main(conn: Connection, parent_pid: int) -> None:
     """A child's life: set Django up once, then run the tasks it is sent until its pipe
     closes (the worker let it go) or its worker dies."""
+    # The worker alone decides when a child stops: a SIGTERM to the whole process group (a
+    # service manager stopping the worker) or a Ctrl-C must not end a running task while
+    # the worker drains; the child ends with its worker (see _watch_parent).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     django.setup()  # registers every task module, as in the worker
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="fairqueue-parent-watch", daemon=True).start()
     conn.send(("ready", os.getpid()))
