@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from dashboard.snapshot import snapshot_build
 from fairqueue.jobs import stats
+from fairqueue.jobs.task_limits import ATTEMPT_FAILURE_REASONS
 
 log = logging.getLogger("fairqueue.dashboard")
 
@@ -109,6 +110,13 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
     statuses = sorted(set(FINISHED_STATUSES) | {k.split(":", 1)[1] for k in cells if k.startswith("finished:")})
     for status in statuses:
         finished.add_metric([status], cells.get(f"finished:{status}", 0.0))
+    attempts_failed = CounterMetricFamily(
+        "fairqueue_task_attempts_failed",
+        "Task attempts that failed on a worker, by reason (exception, timeout, memory_limit, crashed).",
+        labels=["reason"],
+    )
+    for reason in ATTEMPT_FAILURE_REASONS:
+        attempts_failed.add_metric([reason], cells.get(f"attempt_failed:{reason}", 0.0))
     offered = GaugeMetricFamily(
         "fairqueue_worker_offered_slots",
         "Slots a worker offers now (fewer than configured under resource backpressure).",
@@ -154,6 +162,7 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
             value=cells.get("handed_back", 0.0),
         ),
         finished,
+        attempts_failed,
     ]
 
 

@@ -225,6 +225,9 @@ FAIRQUEUE = {
     "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
     # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
     "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
+    # Child processes per worker process that run isolated tasks (fairqueue/jobs/isolation.py);
+    # an isolated job finding them all busy waits in its slot for one.
+    "ISOLATED_POOL_SIZE": env.int("FAIRQUEUE_ISOLATED_POOL_SIZE", default=2),
     # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.
     "RETENTION_DAYS": env.float("FAIRQUEUE_RETENTION_DAYS", default=30.0),
     # Resource backpressure (fairqueue/jobs/backpressure.py): per worker, so each host's
@@ -262,6 +265,8 @@ FAIRQUEUE = {
         "HISTORY_POINTS": env.int("FAIRQUEUE_CAPACITY_HISTORY_POINTS", default=180),  # 3 h at one a minute
     },
 }
+if FAIRQUEUE["ISOLATED_POOL_SIZE"] < 1:
+    raise ImproperlyConfigured("FAIRQUEUE_ISOLATED_POOL_SIZE must be at least 1.")
 if FAIRQUEUE["RETENTION_DAYS"] < 0:
     raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
 for _signal in ("MEMORY", "CPU", "PSI_CPU", "PSI_MEMORY", "PSI_IO"):

@@ -189,6 +189,15 @@ class JobIn(Schema):
     priority: str | None = Field(None, max_length=32, description="Latency class name.")
     batch: bool = False
     idempotency_key: str | None = Field(None, min_length=1, max_length=IDEMPOTENCY_MAX)
+    timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        strict=True,  # a number, not `true` or "10"
+        description="Wall-clock limit for each attempt, in seconds. It may only lower the task's own limit "
+        "(a larger value is refused with 400). Past it an isolated task's process is killed; any other task "
+        "is asked to stop (JobContext.check_deadline). The attempt then fails with error_reason `timeout`.",
+    )
 
     def to_request(self) -> JobRequest:
         return JobRequest(
@@ -198,6 +207,7 @@ class JobIn(Schema):
             priority=self.priority,
             batch=self.batch,
             idempotency_key=self.idempotency_key,
+            timeout_seconds=self.timeout_seconds,
         )
 
 
@@ -229,6 +239,15 @@ class JobOut(Schema):
     finished_at: datetime | None
     result: Any = None
     error: str | None
+    error_reason: str | None = Field(
+        None,
+        description="Why the job failed: `exception` (the task raised), `timeout` (past its timeout_seconds), "
+        "`memory_limit` (an isolated task past its memory limit), `crashed` (an isolated task's process died), "
+        "`worker_lost`, `unknown_task`.",
+    )
+    timeout_seconds: float | None = Field(
+        None, description="The wall-clock limit each attempt runs under: the task's, or the lower one asked at submit."
+    )
     waiting_on: WaitingOn | None = None
     position: int | None = Field(
         None,

@@ -1,6 +1,10 @@
 """Demo tasks: a sleep and a simulated document parse, which write a ledger entry once and
-stop when their worker can no longer trust it holds the job (JobContext.check_hold), and a
-no-op, which does nothing at all (what FairQueue itself costs per job: `bench throughput`)."""
+stop when their worker can no longer trust it holds the job (JobContext.check_hold) or
+their time is up (JobContext.check_deadline), and a no-op, which does nothing at all (what
+FairQueue itself costs per job: `bench throughput`).
+
+The parse is CPU work, so it runs isolated: in a child process of the worker, killed past
+its timeout or its memory limit without harming the worker (fairqueue.jobs.isolation)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,10 @@ class ParseArgs(BaseModel):
 
 # How often a sleeping demo task checks that its worker still holds the job.
 HOLD_CHECK_SECONDS = 0.1
+# The parse's limits: 10,000 pages at the largest I/O delay would take longer; a job that
+# needs that long asks for it by splitting its document.
+PARSE_TIMEOUT_SECONDS = 600.0
+PARSE_MEMORY_LIMIT_MB = 256.0
 
 
 def ledger_write(ctx: JobContext, task: str) -> None:
@@ -57,6 +65,7 @@ def _sleep(ctx: JobContext, seconds: float) -> None:
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         ctx.check_hold()
+        ctx.check_deadline()
         time.sleep(min(left, HOLD_CHECK_SECONDS))
 
 
@@ -76,13 +85,20 @@ def demo_noop(ctx: JobContext, args: NoArgs) -> None:
     """Nothing: no ledger write, no result."""
 
 
-@fairqueue_task("demo.parse", args=ParseArgs)
+@fairqueue_task(
+    "demo.parse",
+    args=ParseArgs,
+    isolated=True,
+    timeout_seconds=PARSE_TIMEOUT_SECONDS,
+    memory_limit_mb=PARSE_MEMORY_LIMIT_MB,
+)
 def demo_parse(ctx: JobContext, args: ParseArgs) -> dict[str, Any]:
     started = _now()
     digest = hashlib.sha256()
     words = 0
     for page in range(args.pages):
         ctx.check_hold()
+        ctx.check_deadline()
         time.sleep(args.io_ms_per_page / 1000)  # fetching the page
         text = (f"page {page} of job {ctx.job_id} " * 200).encode()
         for _ in range(20):  # tokenising and hashing: real CPU work

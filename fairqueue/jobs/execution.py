@@ -28,10 +28,12 @@ from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
 from fairqueue.jobs.handoff import inline_pick
+from fairqueue.jobs.isolation import isolated_run
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
 from fairqueue.jobs.runtime import engine
+from fairqueue.jobs.task_limits import effective_timeout, failure_reason
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
@@ -130,9 +132,20 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
             raise LookupError(f"task {job.task!r} is not registered on this worker")
         raw_args = payloads.payload_get(job.args_ref) if job.args_ref else job.args
         args = registered.args_model.model_validate(raw_args)
-        ctx = JobContext(job_id=str(job.id), attempt=job.attempts, worker=worker, generation=generation)
+        ctx = JobContext(
+            job_id=str(job.id),
+            attempt=job.attempts,
+            worker=worker,
+            generation=generation,
+            timeout_seconds=effective_timeout(registered.timeout_seconds, job.timeout_seconds),
+        )
         ctx.bind_hold(lambda: active_leases.hold_lost(job.engine_id))
-        value = registered.func(ctx, args)
+        if registered.isolated:  # in a child process, killed at its limits (fairqueue.jobs.isolation)
+            value = isolated_run(
+                task=registered.name, raw_args=raw_args, ctx=ctx, memory_limit_mb=registered.memory_limit_mb
+            )
+        else:  # in this thread: past its timeout, ctx.check_deadline() stops it
+            value = registered.func(ctx.start_clock(), args)
         encoded = payloads.payload_encode(value)
         if len(encoded) > payloads.payload_threshold():
             fields.update(result=None, result_ref=payloads.payload_put(data=encoded, kind="results"))
@@ -147,11 +160,13 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         return "fenced", None
     except Exception as exc:
         outcome = "failed"
+        reason = failure_reason(exc)  # "timeout", "memory_limit", "crashed" or "exception"
         fields.update(
             status=JobStatus.FAILED,
             error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"[:10_000],
-            error_reason="exception",
+            error_reason=reason,
         )
+        stats.count(f"attempt_failed:{reason}")
     finally:
         lost = active_leases.remove(job.engine_id)
     finished = timezone.now()

@@ -39,6 +39,9 @@ class Job(models.Model):
         null=True, blank=True, help_text="When a batch job was promoted to normal admission to meet its objective."
     )
     idempotency_key = models.CharField(max_length=200, null=True, blank=True)
+    timeout_seconds = models.FloatField(
+        null=True, blank=True, help_text="Wall-clock limit asked at submit; the task's own limit applies if lower."
+    )
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.QUEUED, db_index=True)
     attempts = models.PositiveIntegerField(default=0, help_text="Times a worker started this job.")
     worker_losses = models.PositiveIntegerField(default=0, help_text="Times a worker died under this job.")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, PrivateAttr
+
+from fairqueue.jobs.task_limits import TaskTimeout, valid_limit
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -16,6 +19,11 @@ class RegisteredTask:
     name: str
     func: Callable[..., Any]
     args_model: type[BaseModel]
+    # Runs in a child process of the worker's isolated pool (fairqueue.jobs.isolation),
+    # which is killed at the timeout or the memory limit without harming the worker.
+    isolated: bool = False
+    timeout_seconds: float | None = None  # wall clock per attempt; a job may lower it
+    memory_limit_mb: float | None = None  # isolated tasks only: growth of the child's memory
 
 
 class HoldLost(Exception):
@@ -35,13 +43,19 @@ class JobContext(BaseModel):
     effect written with it (a conditional write, a version column) can refuse a stale
     delivery's write once a newer one has written. `hold_lost()` / `check_hold()` tell a
     long task to stop when this worker can no longer trust it holds the job.
+
+    `timeout_seconds` is this attempt's wall-clock limit (None: none). A task that is not
+    isolated cannot be killed, so it stops itself: `deadline_passed()` / `check_deadline()`
+    (which raises TaskTimeout, failing the attempt with the reason `timeout`).
     """
 
     job_id: str
     attempt: int
     worker: str
     generation: int = 0
+    timeout_seconds: float | None = None
     _hold_lost: Callable[[], bool] = PrivateAttr(default_factory=lambda: _never_lost)
+    _deadline: float | None = PrivateAttr(default=None)  # time.monotonic() when the limit is reached
 
     def bind_hold(self, hold_lost: Callable[[], bool]) -> JobContext:
         self._hold_lost = hold_lost
@@ -54,17 +68,58 @@ class JobContext(BaseModel):
         if self._hold_lost():
             raise HoldLost(f"job {self.job_id} generation {self.generation}: hold lost")
 
+    def start_clock(self) -> JobContext:
+        """Start the attempt's wall clock (whoever runs the task calls it right before)."""
+        self._deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
+        return self
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the attempt's limit (negative once past it); None without a limit."""
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def deadline_passed(self) -> bool:
+        left = self.seconds_left()
+        return left is not None and left <= 0
+
+    def check_deadline(self) -> None:
+        if self.deadline_passed():
+            raise TaskTimeout(f"timeout: job {self.job_id} ran past its limit of {self.timeout_seconds:g} s")
+
 
 _REGISTRY: dict[str, RegisteredTask] = {}
 
 
-def fairqueue_task(name: str, *, args: type[BaseModel]) -> Callable[[F], F]:
-    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit."""
+def fairqueue_task(
+    name: str,
+    *,
+    args: type[BaseModel],
+    isolated: bool = False,
+    timeout_seconds: float | None = None,
+    memory_limit_mb: float | None = None,
+) -> Callable[[F], F]:
+    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit.
+
+    `isolated=True` runs it in a child process of the worker (a module-level function,
+    since the child imports it by name), which is killed past `timeout_seconds` or when
+    it grows by more than `memory_limit_mb`; a task that is not isolated checks its
+    timeout itself (JobContext.check_deadline).
+    """
+    if not valid_limit(timeout_seconds) or not valid_limit(memory_limit_mb):
+        raise ValueError(f"task {name!r}: timeout_seconds and memory_limit_mb must be positive numbers")
+    if memory_limit_mb is not None and not isolated:
+        raise ValueError(f"task {name!r}: a memory limit needs isolated=True (only a child process can be killed)")
 
     def register(func: F) -> F:
         if name in _REGISTRY and _REGISTRY[name].func is not func:
             raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = RegisteredTask(name=name, func=func, args_model=args)
+        _REGISTRY[name] = RegisteredTask(
+            name=name,
+            func=func,
+            args_model=args,
+            isolated=isolated,
+            timeout_seconds=timeout_seconds,
+            memory_limit_mb=memory_limit_mb,
+        )
         return func
 
     return register

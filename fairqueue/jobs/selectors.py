@@ -13,7 +13,9 @@ from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
 from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
+from fairqueue.jobs.task_limits import effective_timeout
 from tenants.models import Tenant
 from tenants.policy import policy_snapshot
 
@@ -42,6 +44,12 @@ def job_list(*, tenant: Tenant, status: str | None, limit: int, offset: int) -> 
         "offset": offset,
         "next_offset": offset + limit if offset + limit < count else None,
     }
+
+
+def job_timeout(job: Job) -> float | None:
+    """The limit the job's attempts run under: its task's, or the lower one asked at submit."""
+    registered = task_get(job.task)
+    return effective_timeout(registered.timeout_seconds if registered else None, job.timeout_seconds)
 
 
 def job_waiting_on(job: Job) -> dict[str, Any] | None:
@@ -80,6 +88,8 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "finished_at": job.finished_at,
         "result": result,
         "error": job.error or None,
+        "error_reason": job.error_reason or None,
+        "timeout_seconds": job_timeout(job),
         "waiting_on": job_waiting_on(job) if explain else None,
     }
 

@@ -33,6 +33,7 @@ from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.registry import task_get
+from fairqueue.jobs.task_limits import valid_limit
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
 
@@ -51,6 +52,7 @@ class JobRequest:
     priority: str | None = None
     batch: bool = False
     idempotency_key: str | None = None
+    timeout_seconds: float | None = None  # may only lower the task's own limit
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,19 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
+    if req.timeout_seconds is not None:
+        if isinstance(req.timeout_seconds, bool) or not valid_limit(req.timeout_seconds):
+            raise JobError(
+                400, "invalid_timeout", "timeout_seconds must be a positive number.", f"{where}timeout_seconds"
+            )
+        task_limit = registered.timeout_seconds
+        if task_limit is not None and req.timeout_seconds > task_limit:
+            raise JobError(
+                400,
+                "invalid_timeout",
+                f"timeout_seconds may only lower the task's limit: {req.task} allows at most {task_limit:g} s.",
+                f"{where}timeout_seconds",
+            )
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
         if tenant_policy is not None
@@ -116,6 +131,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         batch=req.batch,
         idempotency_key=req.idempotency_key,
         args=req.args,
+        timeout_seconds=req.timeout_seconds,
     )
 
 

@@ -27,6 +27,7 @@ from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
 from fairqueue.jobs.handoff import handoff_enable, handoff_stop
+from fairqueue.jobs.isolation import isolated_pool_stop
 from fairqueue.jobs.leadership import DutyLease
 from fairqueue.jobs.leases import active_leases
 
@@ -143,6 +144,7 @@ def _on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
     _stop.set()
     if _backpressure is not None:
         _backpressure.stop()
+    isolated_pool_stop()
     _deregister(getattr(sender, "hostname", None))
 
 
