@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "channels",
     "tenants",
     "fairqueue.jobs",
+    "webhooks",
     "dashboard",
 ]
 
@@ -225,6 +226,20 @@ FAIRQUEUE = {
     "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
     # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
     "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
+    # Completion webhooks (webhooks/). Targets on private, loopback, link-local or other
+    # non-public addresses are refused unless inside one of ALLOWED_NETWORKS (CIDRs, e.g.
+    # "10.0.0.0/8" for an internal receiver). Failed deliveries are retried with
+    # exponential backoff (first, doubling, capped) until MAX_AGE after the event.
+    "WEBHOOKS": {
+        "ALLOWED_NETWORKS": env.list("FAIRQUEUE_WEBHOOK_ALLOWED_NETWORKS", default=[]),
+        "TIMEOUT_SECONDS": env.float("FAIRQUEUE_WEBHOOK_TIMEOUT_SECONDS", default=5.0),
+        "BACKOFF_FIRST_SECONDS": env.float("FAIRQUEUE_WEBHOOK_BACKOFF_FIRST_SECONDS", default=10.0),
+        "BACKOFF_MAX_SECONDS": env.float("FAIRQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS", default=3600.0),
+        "MAX_AGE_SECONDS": env.float("FAIRQUEUE_WEBHOOK_MAX_AGE_SECONDS", default=24 * 3600.0),
+        # Deliveries in flight at once, on threads of the worker that holds the duty lease
+        # (never its job slots).
+        "SENDERS": env.int("FAIRQUEUE_WEBHOOK_SENDERS", default=8),
+    },
     # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.
     "RETENTION_DAYS": env.float("FAIRQUEUE_RETENTION_DAYS", default=30.0),
     # Resource backpressure (fairqueue/jobs/backpressure.py): per worker, so each host's

@@ -35,6 +35,7 @@ from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
+from webhooks.targets import TargetRefused, target_resolve
 
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
@@ -51,6 +52,7 @@ class JobRequest:
     priority: str | None = None
     batch: bool = False
     idempotency_key: str | None = None
+    callback_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
+    if req.callback_url is not None:
+        _check_callback_url(tenant, req.callback_url, where)
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
         if tenant_policy is not None
@@ -116,7 +120,24 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         batch=req.batch,
         idempotency_key=req.idempotency_key,
         args=req.args,
+        callback_url=req.callback_url or "",
     )
+
+
+def _check_callback_url(tenant: Tenant, url: str, where: str) -> None:
+    """A job's own webhook target: a public http(s) URL, signed with the tenant's secret."""
+    try:
+        target_resolve(url)
+    except TargetRefused as exc:
+        raise JobError(400, "invalid_callback_url", f"callback_url: {exc}", f"{where}callback_url") from None
+    if not tenant.webhook_secret:
+        raise JobError(
+            400,
+            "webhook_secret_missing",
+            "This tenant has no webhook signing secret yet; an operator issues one in the admin "
+            "(Tenants, “Rotate webhook secret”).",
+            f"{where}callback_url",
+        )
 
 
 def _offload_large_args(jobs: Sequence[Job]) -> None:
