@@ -44,6 +44,13 @@ INSTALLED_APPS = [
     "webhooks",
     "dashboard",
 ]
+# The demo's own tasks (demo.sleep, demo.parse, demo.noop) are registered only in the demo
+# (and tests) unless asked for: in production any tenant could submit an hour-long sleep.
+DEMO_TASKS = env.bool("FAIRQUEUE_DEMO_TASKS", default=DEMO_MODE)
+if DEMO_TASKS:
+    # The example app of docs/tasks.md ("Writing your own tasks"): its tasks are discovered
+    # like any installed app's (a `fairqueue_tasks` module), and the test suite runs them.
+    INSTALLED_APPS.append("examples.invoices")
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
@@ -224,7 +231,8 @@ FAIRQUEUE = {
     # A worker hands back a job whose task (or arguments) its version does not know, for
     # another worker; after this long since the first hand-back the job fails `unknown_task`.
     "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
-    # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
+    # Tasks are discovered in every installed app's `fairqueue_tasks` module (docs/tasks.md);
+    # these modules are imported at start-up too (tasks kept outside an app).
     "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
     # Completion webhooks (webhooks/). Targets on private, loopback, link-local or other
     # non-public addresses are refused unless inside one of ALLOWED_NETWORKS (CIDRs, e.g.
