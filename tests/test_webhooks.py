@@ -17,6 +17,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
+from fairqueue.jobs.dispatch import jobs_redeliver
 from fairqueue.jobs.models import Job, JobStatus
 from tenants.models import Tenant
 from tests.base import RedisTestCase
@@ -25,6 +26,7 @@ from tests.test_jobs_e2e import E2EBase
 from tests.test_tenants_admin import AdminTestCase, tenant_form
 from tests.workers import WorkerProcess, wait_for
 from webhooks.models import EventState, WebhookDelivery, WebhookEvent
+from webhooks.outbox import job_finish
 from webhooks.sender import senders, webhooks_send_due
 from webhooks.signing import signature_header, signature_verify
 from webhooks.targets import TargetRefused, target_resolve
@@ -161,6 +163,23 @@ class TargetTests(RedisTestCase):
             self.assertEqual(resp.json()["callback_url"], "http://127.0.0.1:9/hook")
         self.assertEqual(Job.objects.count(), 1)  # the refused submits wrote nothing
 
+    def test_a_job_failed_by_the_poison_pill_limit_gets_its_event_with_the_status(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            tenant, _ = make_tenant("pills", webhook_url="https://example.com/hooks")
+        limit = settings.FAIRQUEUE["POISON_PILL_LIMIT"]
+        job = Job.objects.create(
+            tenant=tenant, task="demo.noop", latency_class="default", status=JobStatus.RUNNING, worker_losses=limit - 1
+        )
+        jobs_redeliver([job.engine_id])  # its worker died once more: failed for good
+        job.refresh_from_db()
+        self.assertEqual((job.status, job.error_reason), (JobStatus.FAILED, "worker_lost"))
+        event = WebhookEvent.objects.get(job=job)
+        body = json.loads(event.body)
+        self.assertEqual((event.type, event.url, event.state), ("job.failed", "https://example.com/hooks", "pending"))
+        self.assertEqual((body["id"], body["job"]["error_reason"]), (str(event.id), "worker_lost"))
+        jobs_redeliver([job.engine_id])  # a stale reclaim of the same delivery: no second event
+        self.assertEqual(WebhookEvent.objects.filter(job=job).count(), 1)
+
     def test_the_signature_verifies_and_refuses_tampering_and_replays(self) -> None:
         verify = readme_verifier()
         body = b'{"id":"e1"}'
@@ -254,6 +273,22 @@ class WebhookDeliveryTests(E2EBase):
         self.assertGreaterEqual(still_timing_out, 2)
         self.assertGreaterEqual(silent.accepted, 2)
         self.assertEqual(event.url, silent.url)
+
+    def test_a_target_that_turned_private_is_refused_at_send_without_connecting(self) -> None:
+        # Set when it was allowed (or public); by the send it is not: nothing is sent there.
+        tenant, _ = make_tenant("turned", webhook_url="http://10.20.30.40/hook")
+        tenant.rotate_webhook_secret()
+        tenant.save()
+        job = Job.objects.create(tenant=tenant, task="demo.noop", latency_class="default", status=JobStatus.QUEUED)
+        job_finish(job, where={"id": job.id}, fields={"status": JobStatus.CANCELLED, "finished_at": timezone.now()})
+        self.assertEqual(webhooks_send_due(), 1)
+        wait_for(lambda: not senders.in_hand, message="the attempt to finish")
+        [attempt] = WebhookDelivery.objects.filter(job=job)
+        self.assertEqual(attempt.outcome, "refused_target")
+        self.assertIn("10.20.30.40", attempt.error)
+        event = WebhookEvent.objects.get(job=job)
+        self.assertEqual((event.state, event.attempts), (EventState.PENDING, 1))  # retried later, with backoff
+        self.assertGreater(event.next_attempt_at, timezone.now())
 
     def test_a_cancelled_job_is_reported_once_and_a_job_without_target_writes_no_event(self) -> None:
         receiver = Receiver()
