@@ -342,6 +342,19 @@ class WebhookAdminTests(AdminTestCase):
         tenant.refresh_from_db()
         self.assertEqual(tenant.webhook_secret, new_secret)
 
+    def test_a_tenant_created_with_a_url_shows_its_key_and_secret_once(self) -> None:
+        with (
+            override_settings(FAIRQUEUE=_webhooks(ALLOWED_NETWORKS=LOOPBACK)),
+            self.captureOnCommitCallbacks(execute=True),
+        ):
+            shown = self.client.post(
+                reverse("admin:tenants_tenant_add"), tenant_form(slug="fresh", webhook_url="http://127.0.0.1:9/h")
+            )
+        self.assertEqual(shown.status_code, 200)
+        [secret] = SECRET_RE.findall(shown.content.decode())
+        self.assertIn('class="fq-api-key"', shown.content.decode())
+        self.assertEqual(Tenant.objects.get(slug="fresh").webhook_secret, secret)
+
     def test_the_job_page_lists_its_delivery_attempts(self) -> None:
         tenant = self.make_tenant("hooks", webhook_url="https://example.com/hook")
         job = Job.objects.create(tenant=tenant, task="demo.noop", latency_class="default", status=JobStatus.FAILED)
