@@ -43,7 +43,7 @@ lint: venv
 # The engine is held to mypy --strict; the Django side is checked with django-stubs.
 typecheck: venv
 	$(VENV)/bin/mypy fairqueue/engine
-	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard
+	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard webhooks examples
 
 TESTS ?= tests
 test: venv redis rabbitmq lint typecheck

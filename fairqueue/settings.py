@@ -41,8 +41,16 @@ INSTALLED_APPS = [
     "channels",
     "tenants",
     "fairqueue.jobs",
+    "webhooks",
     "dashboard",
 ]
+# The demo's own tasks (demo.sleep, demo.parse, demo.noop) are registered only in the demo
+# (and tests) unless asked for: in production any tenant could submit an hour-long sleep.
+DEMO_TASKS = env.bool("FAIRQUEUE_DEMO_TASKS", default=DEMO_MODE)
+if DEMO_TASKS:
+    # The example app of docs/tasks.md ("Writing your own tasks"): its tasks are discovered
+    # like any installed app's (a `fairqueue_tasks` module), and the test suite runs them.
+    INSTALLED_APPS.append("examples.invoices")
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
@@ -223,11 +231,26 @@ FAIRQUEUE = {
     # A worker hands back a job whose task (or arguments) its version does not know, for
     # another worker; after this long since the first hand-back the job fails `unknown_task`.
     "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
-    # Modules imported at start-up that register tasks (`@fairqueue_task`), besides the demo's.
+    # Tasks are discovered in every installed app's `fairqueue_tasks` module (docs/tasks.md);
+    # these modules are imported at start-up too (tasks kept outside an app).
     "TASK_MODULES": env.list("FAIRQUEUE_TASK_MODULES", default=[]),
     # Child processes per worker process that run isolated tasks (fairqueue/jobs/isolation.py);
     # an isolated job finding them all busy waits in its slot for one.
     "ISOLATED_POOL_SIZE": env.int("FAIRQUEUE_ISOLATED_POOL_SIZE", default=2),
+    # Completion webhooks (webhooks/). Targets on private, loopback, link-local or other
+    # non-public addresses are refused unless inside one of ALLOWED_NETWORKS (CIDRs, e.g.
+    # "10.0.0.0/8" for an internal receiver). Failed deliveries are retried with
+    # exponential backoff (first, doubling, capped) until MAX_AGE after the event.
+    "WEBHOOKS": {
+        "ALLOWED_NETWORKS": env.list("FAIRQUEUE_WEBHOOK_ALLOWED_NETWORKS", default=[]),
+        "TIMEOUT_SECONDS": env.float("FAIRQUEUE_WEBHOOK_TIMEOUT_SECONDS", default=5.0),
+        "BACKOFF_FIRST_SECONDS": env.float("FAIRQUEUE_WEBHOOK_BACKOFF_FIRST_SECONDS", default=10.0),
+        "BACKOFF_MAX_SECONDS": env.float("FAIRQUEUE_WEBHOOK_BACKOFF_MAX_SECONDS", default=3600.0),
+        "MAX_AGE_SECONDS": env.float("FAIRQUEUE_WEBHOOK_MAX_AGE_SECONDS", default=24 * 3600.0),
+        # Deliveries in flight at once, on threads of the worker that holds the duty lease
+        # (never its job slots).
+        "SENDERS": env.int("FAIRQUEUE_WEBHOOK_SENDERS", default=8),
+    },
     # Finished jobs older than this many days are deleted by the periodic duties; 0 keeps them.
     "RETENTION_DAYS": env.float("FAIRQUEUE_RETENTION_DAYS", default=30.0),
     # Resource backpressure (fairqueue/jobs/backpressure.py): per worker, so each host's

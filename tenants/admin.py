@@ -18,6 +18,7 @@ from tenants.admin_panel import PoolWhatIfMixin, TenantWhatIfMixin
 from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
 from tenants.selectors import tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
+from webhooks.targets import TargetRefused, target_resolve
 
 
 class MoveConfirmingForm(forms.ModelForm):
@@ -154,6 +155,15 @@ class TenantAdminForm(MoveConfirmingForm):
             )
         return value
 
+    def clean_webhook_url(self) -> str:
+        value: str = self.cleaned_data.get("webhook_url") or ""
+        if value:
+            try:
+                target_resolve(value)
+            except TargetRefused as exc:
+                raise forms.ValidationError(str(exc)) from None
+        return value
+
     def clean_burst_pct(self) -> float | None:
         value: float | None = self.cleaned_data.get("burst_pct")
         if value is not None and not 0.0 <= value <= 10.0:
@@ -184,8 +194,8 @@ class TenantAdmin(TenantWhatIfMixin):
     list_filter = ["active", "batch_enabled", "shard", "default_latency_class"]
     search_fields = ["slug", "name", "api_key_prefix", "sub_tenants__external_id"]
     list_select_related = ["shard", "default_latency_class"]
-    readonly_fields = ["api_key_prefix", "api_key_rotated_at", "created_at", "updated_at"]
-    actions = ["rotate_api_keys", "activate", "deactivate"]
+    readonly_fields = ["api_key_prefix", "api_key_rotated_at", "webhook_secret_rotated_at", "created_at", "updated_at"]
+    actions = ["rotate_api_keys", "rotate_webhook_secrets", "activate", "deactivate"]
     fieldsets = [
         (None, {"fields": ["slug", "name", "active", "shard", "confirm_move"]}),
         (
@@ -202,6 +212,15 @@ class TenantAdmin(TenantWhatIfMixin):
             {
                 "fields": ["api_key_prefix", "api_key_rotated_at"],
                 "description": "Only a hash is stored. Use the “Rotate API key” action to issue a new key.",
+            },
+        ),
+        (
+            "Webhooks",
+            {
+                "fields": ["webhook_url", "webhook_secret_rotated_at"],
+                "description": "Finished jobs are POSTed here as signed events (a job may name its own URL). "
+                "The signing secret is issued when a URL is first set, shown once; "
+                "use the “Rotate webhook secret” action for a new one.",
             },
         ),
         ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
@@ -224,20 +243,39 @@ class TenantAdmin(TenantWhatIfMixin):
     def save_model(self, request: HttpRequest, obj: Tenant, form: forms.ModelForm, change: bool) -> None:
         if not change and not obj.api_key_hash:
             request._fq_new_keys = [(obj, obj.rotate_api_key())]  # type: ignore[attr-defined]
+        if obj.webhook_url and not obj.webhook_secret:
+            request._fq_new_webhook_secrets = [(obj, obj.rotate_webhook_secret())]  # type: ignore[attr-defined]
         super().save_model(request, obj, form, change)
+
+    def response_change(self, request: HttpRequest, obj: Tenant) -> HttpResponse:
+        new_secrets = getattr(request, "_fq_new_webhook_secrets", None)
+        if new_secrets and "_popup" not in request.POST:
+            return self._show_webhook_secrets(request, new_secrets, title="Webhook secret issued: copy it now")
+        return super().response_change(request, obj)
 
     def response_add(self, request: HttpRequest, obj: Tenant, post_url_continue: str | None = None) -> HttpResponse:
         new_keys = getattr(request, "_fq_new_keys", None)
+        new_secrets = getattr(request, "_fq_new_webhook_secrets", None)
         if new_keys and "_popup" not in request.POST:
-            return self._show_keys(request, new_keys, title="Tenant created: copy its API key now")
+            return self._show_keys(
+                request, new_keys, title="Tenant created: copy its API key now", new_secrets=new_secrets
+            )
         return super().response_add(request, obj, post_url_continue)
 
-    def _show_keys(self, request: HttpRequest, new_keys: list[tuple[Tenant, str]], *, title: str) -> HttpResponse:
+    def _show_keys(
+        self,
+        request: HttpRequest,
+        new_keys: list[tuple[Tenant, str]],
+        *,
+        title: str,
+        new_secrets: list[tuple[Tenant, str]] | None = None,
+    ) -> HttpResponse:
         context = {
             **self.admin_site.each_context(request),
             "title": title,
             "opts": self.model._meta,
             "new_keys": new_keys,
+            "new_secrets": new_secrets or [],
             "changelist_url": reverse("admin:tenants_tenant_changelist"),
         }
         response = TemplateResponse(request, "admin/tenants/tenant/api_keys.html", context)
@@ -264,6 +302,31 @@ class TenantAdmin(TenantWhatIfMixin):
         if not new_keys:
             return None
         return self._show_keys(request, new_keys, title="New API keys: copy them now")
+
+    def _show_webhook_secrets(
+        self, request: HttpRequest, new_secrets: list[tuple[Tenant, str]], *, title: str
+    ) -> HttpResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": title,
+            "opts": self.model._meta,
+            "new_secrets": new_secrets,
+            "changelist_url": reverse("admin:tenants_tenant_changelist"),
+        }
+        response = TemplateResponse(request, "admin/tenants/tenant/webhook_secrets.html", context)
+        response["Cache-Control"] = "no-store"  # the secret must not linger in any cache
+        return response
+
+    @admin.action(description="Rotate webhook secret (shows the new secrets once)", permissions=["change"])
+    def rotate_webhook_secrets(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> HttpResponse | None:
+        new_secrets = []
+        for tenant in queryset:
+            secret = tenant.rotate_webhook_secret()
+            tenant.save(update_fields=["webhook_secret", "webhook_secret_rotated_at", "updated_at"])
+            new_secrets.append((tenant, secret))
+        if not new_secrets:
+            return None
+        return self._show_webhook_secrets(request, new_secrets, title="New webhook secrets: copy them now")
 
     def _set_active(self, request: HttpRequest, queryset: QuerySet[Tenant], *, active: bool) -> None:
         ids = list(queryset.values_list("pk", flat=True))

@@ -17,6 +17,7 @@ SLUG_VALIDATOR = RegexValidator(
 )
 
 API_KEY_PREFIX_LEN = 8
+WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
 def _hash_api_key(raw_key: str) -> str:
@@ -93,6 +94,14 @@ class Tenant(models.Model):
     api_key_prefix = models.CharField(max_length=API_KEY_PREFIX_LEN, unique=True, null=True, blank=True, editable=False)
     api_key_hash = models.CharField(max_length=64, blank=True, editable=False)
     api_key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
+    # Completion webhooks (webhooks/): where finished jobs are reported, and the secret that
+    # signs them. Unlike the API key, the secret is kept as is: every delivery is signed with
+    # it. The admin shows it once, when it is issued; it is never displayed again.
+    webhook_url = models.URLField(
+        max_length=2000, blank=True, default="", help_text="POSTed a signed event when a job finishes. Empty = none."
+    )
+    webhook_secret = models.CharField(max_length=100, blank=True, default="", editable=False)
+    webhook_secret_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -129,6 +138,12 @@ class Tenant(models.Model):
         self.api_key_hash = _hash_api_key(raw_key)
         self.api_key_rotated_at = timezone.now()
         return raw_key
+
+    def rotate_webhook_secret(self) -> str:
+        """Issue a new webhook signing secret and return it (the admin shows it once)."""
+        self.webhook_secret = f"{WEBHOOK_SECRET_PREFIX}{secrets.token_urlsafe(32)}"
+        self.webhook_secret_rotated_at = timezone.now()
+        return self.webhook_secret
 
     def check_api_key(self, raw_key: str) -> bool:
         return bool(self.api_key_hash) and hmac.compare_digest(self.api_key_hash, _hash_api_key(raw_key))

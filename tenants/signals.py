@@ -11,7 +11,18 @@ from tenants import sync
 from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
 
 # Saving only these (API key rotation) changes no policy Redis holds, only the key version.
-_API_KEY_FIELDS = frozenset({"api_key_prefix", "api_key_hash", "api_key_rotated_at", "updated_at"})
+# Credentials: changing them changes no policy, but processes must drop their cached tenant
+# rows (the webhook secret is checked from that row when a job names a callback URL).
+_API_KEY_FIELDS = frozenset(
+    {
+        "api_key_prefix",
+        "api_key_hash",
+        "api_key_rotated_at",
+        "webhook_secret",
+        "webhook_secret_rotated_at",
+        "updated_at",
+    }
+)
 
 
 def _previous_value(sender: Any, instance: Any, field: str, update_fields: Any) -> str | None:

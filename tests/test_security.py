@@ -92,9 +92,19 @@ class TenantIsolationTests(RedisTestCase):
                 "GET /api/v1/jobs",
                 "GET /api/v1/jobs/{job_id}",
                 "POST /api/v1/jobs/{job_id}/cancel",
+                "GET /api/v1/jobs/{job_id}/webhooks",
                 "GET /api/v1/limits",
             },
         )
+
+    def test_another_tenants_webhook_deliveries_are_a_404_in_every_status(self) -> None:
+        for status, job_id in self.a_jobs.items():
+            with self.subTest(status=status):
+                response = self.http.get(f"{JOBS}/{job_id}/webhooks", **self.auth(self.b_key))
+                self.assertEqual(response.status_code, 404)
+                self.assertEqual(response.json()["error"]["code"], "not_found")
+                self.assertNotIn(job_id, response.content.decode())
+        self.assertEqual(self.http.get(f"{JOBS}/{self.a_jobs['queued']}/webhooks", **self.auth(self.a_key)).json(), [])
 
     def test_get_another_tenants_job_is_a_404_in_every_status(self) -> None:
         for status, job_id in self.a_jobs.items():

@@ -10,6 +10,7 @@ from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import seconds_text
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
+from webhooks.admin import WebhookDeliveryInline
 
 
 @admin.register(Job)
@@ -35,6 +36,7 @@ class JobAdmin(admin.ModelAdmin):
     list_select_related = ("tenant",)
     readonly_fields = [f.name for f in Job._meta.fields] + ["place_in_line"]
     actions = ["retry_jobs"]
+    inlines = [WebhookDeliveryInline]
     show_full_result_count = False
 
     @admin.display(description="place in line")

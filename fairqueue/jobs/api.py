@@ -26,6 +26,7 @@ from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant
+from webhooks.selectors import job_webhooks
 
 BULK_MAX = 1000
 
@@ -198,6 +199,13 @@ class JobIn(Schema):
         "(a larger value is refused with 400). Past it an isolated task's process is killed; any other task "
         "is asked to stop (JobContext.check_deadline). The attempt then fails with error_reason `timeout`.",
     )
+    callback_url: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        description="Where to POST this job's signed completion event (else the tenant's webhook URL, if any). "
+        "A public http(s) URL; private, loopback and link-local addresses are refused.",
+    )
 
     def to_request(self) -> JobRequest:
         return JobRequest(
@@ -208,6 +216,7 @@ class JobIn(Schema):
             batch=self.batch,
             idempotency_key=self.idempotency_key,
             timeout_seconds=self.timeout_seconds,
+            callback_url=self.callback_url,
         )
 
 
@@ -232,6 +241,7 @@ class JobOut(Schema):
     batch: bool
     sub_tenant: str | None
     idempotency_key: str | None
+    callback_url: str | None = None
     attempts: int
     submitted_at: datetime
     admitted_at: datetime | None
@@ -259,6 +269,28 @@ class JobOut(Schema):
         description="Estimated seconds until it starts: (position + 1) x the tenant's mean job duration / "
         "the slots that key runs at once. Set with position.",
     )
+
+
+class WebhookDeliveryOut(Schema):
+    attempt: int
+    started_at: datetime
+    finished_at: datetime | None
+    duration_ms: int | None
+    outcome: Literal["sending", "delivered", "http_error", "timeout", "connection_error", "refused_target", "lost"]
+    status_code: int | None
+    error: str | None
+
+
+class WebhookEventOut(Schema):
+    id: uuid.UUID = Field(..., description="The event id, the same in every attempt (deduplicate on it).")
+    type: str = Field(..., description="job.succeeded, job.failed or job.cancelled.")
+    url: str
+    state: Literal["pending", "sending", "delivered", "failed"]
+    attempts: int
+    created_at: datetime
+    next_attempt_at: datetime | None = Field(None, description="When a pending event is tried next.")
+    delivered_at: datetime | None
+    deliveries: list[WebhookDeliveryOut]
 
 
 class JobListOut(Schema):
@@ -354,6 +386,12 @@ def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
     eta = job_eta(job)
     return {**selectors.job_to_dict(job, explain=True), "position": eta.position, "eta_seconds": eta.eta_seconds}
+
+
+@api.get("/jobs/{job_id}/webhooks", response={200: list[WebhookEventOut], **_errors(401, 403, 404)})
+def get_job_webhooks(request: HttpRequest, job_id: str) -> list[dict[str, Any]]:
+    """The job's completion events and every attempt to deliver them (README, "Webhooks")."""
+    return job_webhooks(selectors.job_get(tenant=_tenant(request), job_id=job_id))
 
 
 @api.post("/jobs/{job_id}/cancel", response={200: JobOut, **_errors(401, 403, 404, 409, 503)})

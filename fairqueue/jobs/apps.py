@@ -4,6 +4,10 @@ import importlib
 
 from django.apps import AppConfig
 from django.conf import settings
+from django.utils.module_loading import autodiscover_modules
+
+# The module of an installed app that registers its tasks, as Celery finds `tasks.py`.
+TASKS_MODULE_NAME = "fairqueue_tasks"
 
 
 class JobsConfig(AppConfig):
@@ -13,13 +17,17 @@ class JobsConfig(AppConfig):
 
     def ready(self) -> None:
         # Every import below reads models, which Django allows only once the app registry is
-        # ready (this method): not a cycle dodged, the registry's order. Register the demo
-        # tasks, the worker's and the admin's signal handlers in every process.
-        from fairqueue.jobs import demo_tasks, signals, worker  # noqa: F401
+        # ready (this method): not a cycle dodged, the registry's order. Register the
+        # worker's and the admin's signal handlers in every process.
+        from fairqueue.jobs import signals, worker  # noqa: F401
 
-        # The deployment's own task modules: each registers its tasks on import.
+        # Tasks, in the web process and the worker alike: every installed app's
+        # `fairqueue_tasks` module, the listed modules, and the demo's in the demo only.
+        autodiscover_modules(TASKS_MODULE_NAME)
         for module in settings.FAIRQUEUE["TASK_MODULES"]:
             importlib.import_module(module)
+        if settings.DEMO_TASKS:
+            importlib.import_module("fairqueue.jobs.demo_tasks")
         # The jobs side's answers to the tenants admin (providers: tenants imports no jobs code).
         from fairqueue.jobs.moves import tenants_move_preview
         from fairqueue.jobs.selectors import tenant_admin_live_state

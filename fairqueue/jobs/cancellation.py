@@ -10,6 +10,7 @@ from fairqueue.jobs import stats
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
+from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.cancellation")
 
@@ -29,8 +30,10 @@ def job_cancel(*, job: Job) -> Job:
             raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
         if job.status == JobStatus.RUNNING:
             raise JobError(409, "not_cancellable", "Job is already running.", None)
-        updated = Job.objects.filter(id=job.id, generation=job.generation, status__in=sorted(WAITING_STATUSES)).update(
-            status=JobStatus.CANCELLED, finished_at=timezone.now()
+        updated = job_finish(
+            job,
+            where={"id": job.id, "generation": job.generation, "status__in": sorted(WAITING_STATUSES)},
+            fields={"status": JobStatus.CANCELLED, "finished_at": timezone.now()},
         )
         job.refresh_from_db()
         if updated:

@@ -28,6 +28,7 @@ from fairqueue.jobs.broker import deliveries_publish, delivery_route, split_engi
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
+from webhooks.outbox import event_record
 
 WAITING = sorted(WAITING_STATUSES)
 
@@ -283,6 +284,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     "finished_at",
                 ]
             )
+            event_record(job)  # a no-op unless it just failed for good and has a webhook target
         log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
     jobs_admit(again)
 

@@ -27,6 +27,7 @@ from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
 from tenants.limits import shard_caps
 from tenants.policy import PolicySnapshot, policy_snapshot
+from webhooks.sender import webhooks_send_due
 
 log = logging.getLogger("fairqueue.jobs.duties")
 
@@ -78,6 +79,7 @@ def scheduler_tick() -> None:
         reconcile,
         retention_step,
         capacity_step,
+        webhooks_send_due,
     ]
     for duty in duties:
         try:

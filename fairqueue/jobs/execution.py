@@ -34,6 +34,7 @@ from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStat
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout, failure_reason
+from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
@@ -123,6 +124,7 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
+    job.started_at = now
     active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
     outcome = "succeeded"
     fields: dict[str, Any] = {}
@@ -173,7 +175,7 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     fields["finished_at"] = finished
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
-    if Job.objects.filter(id=job_id, generation=generation, status=JobStatus.RUNNING).update(**fields):
+    if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):
         stats.count(f"finished:{fields['status']}")
     kept = job_release_keeping(job, keep)
     try:

@@ -28,6 +28,7 @@ from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
+from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.handback")
 
@@ -84,12 +85,16 @@ def hand_back(job: Job, reason: str, *, worker: str) -> str:
 
 
 def _fail(job: Job, reason: str, *, count: int, key: str) -> str:
-    failed = Job.objects.filter(id=job.id, generation=job.generation, status__in=sorted(WAITING_STATUSES)).update(
-        status=JobStatus.FAILED,
-        error_reason=UNKNOWN_TASK,
-        error=f"No worker ran this job within {settings.FAIRQUEUE['HANDBACK_SECONDS']:g} s: handed back "
-        f"{count} time(s); the last worker said {reason}.",
-        finished_at=timezone.now(),
+    failed = job_finish(
+        job,
+        where={"id": job.id, "generation": job.generation, "status__in": sorted(WAITING_STATUSES)},
+        fields={
+            "status": JobStatus.FAILED,
+            "error_reason": UNKNOWN_TASK,
+            "error": f"No worker ran this job within {settings.FAIRQUEUE['HANDBACK_SECONDS']:g} s: handed back "
+            f"{count} time(s); the last worker said {reason}.",
+            "finished_at": timezone.now(),
+        },
     )
     redis_client().delete(key)
     if not failed:

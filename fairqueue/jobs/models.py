@@ -61,6 +61,9 @@ class Job(models.Model):
     engine_keys = models.CharField(
         max_length=700, blank=True, default="", help_text="Engine key names, space-separated (canonical order)."
     )
+    callback_url = models.CharField(
+        max_length=2000, blank=True, default="", help_text="This job's own webhook target (else the tenant's)."
+    )
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )

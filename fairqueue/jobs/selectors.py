@@ -81,6 +81,7 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "batch": job.batch,
         "sub_tenant": job.sub_tenant or None,
         "idempotency_key": job.idempotency_key,
+        "callback_url": job.callback_url or None,
         "attempts": job.attempts,
         "submitted_at": job.submitted_at,
         "admitted_at": job.admitted_at,

@@ -36,6 +36,7 @@ from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.task_limits import valid_limit
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
+from webhooks.targets import TargetRefused, target_resolve
 
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
@@ -53,6 +54,7 @@ class JobRequest:
     batch: bool = False
     idempotency_key: str | None = None
     timeout_seconds: float | None = None  # may only lower the task's own limit
+    callback_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
                 f"timeout_seconds may only lower the task's limit: {req.task} allows at most {task_limit:g} s.",
                 f"{where}timeout_seconds",
             )
+    if req.callback_url is not None:
+        _check_callback_url(tenant, req.callback_url, where)
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
         if tenant_policy is not None
@@ -132,7 +136,24 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         idempotency_key=req.idempotency_key,
         args=req.args,
         timeout_seconds=req.timeout_seconds,
+        callback_url=req.callback_url or "",
     )
+
+
+def _check_callback_url(tenant: Tenant, url: str, where: str) -> None:
+    """A job's own webhook target: a public http(s) URL, signed with the tenant's secret."""
+    try:
+        target_resolve(url)
+    except TargetRefused as exc:
+        raise JobError(400, "invalid_callback_url", f"callback_url: {exc}", f"{where}callback_url") from None
+    if not tenant.webhook_secret:
+        raise JobError(
+            400,
+            "webhook_secret_missing",
+            "This tenant has no webhook signing secret yet; an operator issues one in the admin "
+            "(Tenants, “Rotate webhook secret”).",
+            f"{where}callback_url",
+        )
 
 
 def _offload_large_args(jobs: Sequence[Job]) -> None:

@@ -3,7 +3,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0003_job_status_finished_index"),
+        ("jobs", "0006_webhook_deliveries"),
     ]
 
     operations = [

@@ -1,0 +1,1 @@
+"""Example apps that show how to build on FairQueue (docs/tasks.md)."""

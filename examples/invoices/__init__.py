@@ -1,0 +1,1 @@
+"""The example of docs/tasks.md: an app whose task sends an invoice, exactly once."""
