@@ -23,7 +23,7 @@ from fairqueue.jobs import selectors
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
-from fairqueue.jobs.submission import IDEMPOTENCY_MAX, JobRequest, job_submit, job_submit_bulk
+from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant
 
@@ -189,6 +189,11 @@ class JobIn(Schema):
     priority: str | None = Field(None, max_length=32, description="Latency class name.")
     batch: bool = False
     idempotency_key: str | None = Field(None, min_length=1, max_length=IDEMPOTENCY_MAX)
+    resources: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_RESOURCES_PER_JOB,
+        description="Outside resources the job calls (names configured by the operator): each throttles it.",
+    )
 
     def to_request(self) -> JobRequest:
         return JobRequest(
@@ -198,6 +203,7 @@ class JobIn(Schema):
             priority=self.priority,
             batch=self.batch,
             idempotency_key=self.idempotency_key,
+            resources=tuple(self.resources),
         )
 
 
@@ -229,6 +235,7 @@ class JobOut(Schema):
     finished_at: datetime | None
     result: Any = None
     error: str | None
+    resources: list[str] = Field(default_factory=list, description="Outside resources the job calls.")
     waiting_on: WaitingOn | None = None
     position: int | None = Field(
         None,
@@ -257,6 +264,15 @@ class PoolOut(Schema):
     batch_in_flight: int
 
 
+class ResourceLimitOut(Schema):
+    name: str
+    limit: int = Field(..., description="The configured limit.")
+    effective: int = Field(..., description="Slots it runs at now: backs off on refusals (AIMD), 0 while paused.")
+    effective_exact: float = Field(..., description="The AIMD number behind `effective` (increases are fractions).")
+    paused_until: datetime | None = Field(None, description="Set while a retry-after pauses new admissions.")
+    refusals: int
+
+
 class LimitsOut(Schema):
     tenant: str
     shard: str
@@ -282,6 +298,7 @@ class LimitsOut(Schema):
     rate_per_min: float
     mean_job_seconds: float
     pool: PoolOut
+    resources: list[ResourceLimitOut] = Field(default_factory=list, description="Every outside resource's limits.")
 
 
 # --- endpoints ----------------------------------------------------------------------------------

@@ -58,6 +58,11 @@ class Job(models.Model):
     engine_keys = models.CharField(
         max_length=700, blank=True, default="", help_text="Engine key names, space-separated (canonical order)."
     )
+    # Outside resources the job calls (tenants.Resource names, space-separated, sorted): each
+    # is one more throttle key of its admission (fairqueue.jobs.admission.resource_key).
+    resources = models.CharField(
+        max_length=300, blank=True, default="", help_text="Outside resources it calls, space-separated."
+    )
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )
@@ -91,6 +96,10 @@ class Job(models.Model):
     @property
     def engine_key_names(self) -> list[str]:
         return self.engine_keys.split(KEY_SEPARATOR) if self.engine_keys else []
+
+    @property
+    def resource_names(self) -> list[str]:
+        return self.resources.split(KEY_SEPARATOR) if self.resources else []
 
     @property
     def engine_id(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,6 +16,9 @@ class RegisteredTask:
     name: str
     func: Callable[..., Any]
     args_model: type[BaseModel]
+    # Outside resources every job of this task calls (tenants.models.Resource names): each
+    # is a throttle key of its admissions, besides those a submit names.
+    resources: tuple[str, ...] = ()
 
 
 class HoldLost(Exception):
@@ -58,13 +61,14 @@ class JobContext(BaseModel):
 _REGISTRY: dict[str, RegisteredTask] = {}
 
 
-def fairqueue_task(name: str, *, args: type[BaseModel]) -> Callable[[F], F]:
-    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit."""
+def fairqueue_task(name: str, *, args: type[BaseModel], resources: Sequence[str] = ()) -> Callable[[F], F]:
+    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit.
+    `resources` names the outside resources each of its jobs calls (docs/resources.md)."""
 
     def register(func: F) -> F:
         if name in _REGISTRY and _REGISTRY[name].func is not func:
             raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = RegisteredTask(name=name, func=func, args_model=args)
+        _REGISTRY[name] = RegisteredTask(name=name, func=func, args_model=args, resources=tuple(resources))
         return func
 
     return register

@@ -38,6 +38,8 @@ from tenants.policy import PolicySnapshot, policy_snapshot
 
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
+# A job's resources are keys of every admission it makes, beside its 2-3 own: a few at most.
+MAX_RESOURCES_PER_JOB = 4
 IDEMPOTENCY_RACE_RETRIES = 3
 
 log = logging.getLogger("fairqueue.jobs.submission")
@@ -51,6 +53,7 @@ class JobRequest:
     priority: str | None = None
     batch: bool = False
     idempotency_key: str | None = None
+    resources: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,9 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
+    resources = _resources(registered.resources, req.resources, policy=policy, where=where)
     engine_tag, names = (
-        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
+        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch, resources=resources)
         if tenant_policy is not None
         else ("", [])  # not synced yet: the first admission stores where it went
     )
@@ -116,7 +120,34 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         batch=req.batch,
         idempotency_key=req.idempotency_key,
         args=req.args,
+        resources=KEY_SEPARATOR.join(resources),
     )
+
+
+def _resources(declared: Sequence[str], named: Sequence[str], *, policy: PolicySnapshot, where: str) -> list[str]:
+    """The task's declared resources and those the request names, each configured by the
+    operator; sorted, without repeats."""
+    if isinstance(named, str) or not all(isinstance(r, str) for r in named):
+        raise JobError(400, "invalid_resources", "resources must be a list of resource names.", f"{where}resources")
+    unknown = sorted({r for r in named if r not in policy.resources})
+    if unknown:
+        known = ", ".join(sorted(policy.resources)) or "none is configured"
+        raise JobError(
+            400,
+            "unknown_resource",
+            f"Unknown resource {unknown[0]!r}; configured resources: {known}.",
+            f"{where}resources",
+        )
+    # A resource the task declares but the operator has not configured (yet) throttles nothing.
+    resources = sorted({*named, *(r for r in declared if r in policy.resources)})
+    if len(resources) > MAX_RESOURCES_PER_JOB:
+        raise JobError(
+            400,
+            "too_many_resources",
+            f"A job may call at most {MAX_RESOURCES_PER_JOB} resources, not {len(resources)}.",
+            f"{where}resources",
+        )
+    return resources
 
 
 def _offload_large_args(jobs: Sequence[Job]) -> None:
