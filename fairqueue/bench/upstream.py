@@ -80,6 +80,10 @@ class FakeUpstream:
         with self._lock:
             return sum(1 for c in self.calls if c.status == 429 and c.at >= at)
 
+    def first_call_at(self) -> float | None:
+        with self._lock:
+            return self.calls[0].at if self.calls else None
+
     def served(self) -> int:
         with self._lock:
             return sum(1 for c in self.calls if c.status == 200)
