@@ -159,6 +159,8 @@ class BackoffOnRealWorker(RedisTransactionTestCase):
     """The issue's test: 200 jobs against an upstream that answers 429 above 3 concurrent
     calls, on a real worker with 8 slots and the resource configured at 8."""
 
+    serialized_rollback = True
+
     def test_two_hundred_jobs_find_the_upstreams_limit(self) -> None:
         workload = Workload()
         tenant = policy_setup(workload)
