@@ -4,10 +4,13 @@ resource key of an admission, a retry-after's pause, the API, and a real worker 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.test import SimpleTestCase
 from django.urls import reverse
 from pydantic import ValidationError
 
@@ -27,7 +30,7 @@ from tenants.policy import policy_invalidate, policy_snapshot
 from tenants.resource_limits import resource_limits_read, resource_refused, resource_succeeded
 from tests.base import RedisTestCase, RedisTransactionTestCase
 from tests.factories import make_tenant
-from tests.workers import WorkerProcess, wait_for
+from tests.workers import ROOT, WorkerProcess, wait_for
 
 # "At most a handful of 429s after the first seconds" (the issue).
 MAX_LATE_REFUSALS = 5
@@ -184,6 +187,17 @@ class BackoffOnRealWorker(RedisTransactionTestCase):
         self.assertGreaterEqual(result["key_limit_min"], 1)
         self.assertLessEqual(result["key_limit_max"], workload.configured_limit)
         self.assertGreater(result["refusals"], 0, "the configured 8 is above what the upstream takes")
+
+
+class PackageRootTests(SimpleTestCase):
+    def test_fairqueue_backoff_imports_neither_django_nor_celery(self) -> None:
+        probe = (
+            "import sys, fairqueue\n"
+            "assert fairqueue.Backoff.__module__ == 'fairqueue.backoff'\n"
+            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('django', 'celery', 'redis'))))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+        self.assertEqual(out.stdout.strip(), "", "`import fairqueue` pulled these in")
 
 
 class DemoCallTests(RedisTestCase):
