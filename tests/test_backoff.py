@@ -28,6 +28,7 @@ from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.models import Resource
 from tenants.policy import policy_invalidate, policy_snapshot
 from tenants.resource_limits import resource_limits_read, resource_refused, resource_succeeded
+from tenants.sync import policy_sync_all
 from tests.base import RedisTestCase, RedisTransactionTestCase
 from tests.factories import make_tenant
 from tests.workers import ROOT, WorkerProcess, wait_for
@@ -56,6 +57,17 @@ class BackoffResourceTests(RedisTestCase):
             (8, 0.5, 0.5),
         )
         self.assertEqual((self.state().limit, self.state().effective), (8, 8.0))
+
+    def test_a_full_resync_restores_resources(self) -> None:
+        self.redis.flushdb()
+        result = policy_sync_all()
+        self.assertEqual(result.resources, 1)
+        policy_invalidate()
+        self.assertEqual(policy_snapshot().resources["llm"].limit, 8)
+        with self.captureOnCommitCallbacks(execute=True):
+            Resource.objects.get(name="llm").delete()
+        policy_invalidate()
+        self.assertNotIn("llm", policy_snapshot().resources)
 
     def test_cut_is_multiplicative_once_per_burst_and_never_below_one(self) -> None:
         first = resource_refused(self.resource, started_ms=int(time.time() * 1000) - 50, retry_after_seconds=None)
