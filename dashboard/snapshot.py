@@ -33,6 +33,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "workers": [{"hostname", "slots" (offered), "capacity" (configured), "busy", "busy_batch",
                    "signal" (e.g. "memory"; "" when all are offered), "reason" (a sentence)}],
       "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
+      "resources": [{"name", "limit" (configured), "effective" (now; 0 while paused), "effective_exact",
+                     "paused_for_s" (null unless paused), "refusals"}]
     }
 
 A cell is green while its oldest waiting job is younger than the class objective (or
@@ -55,6 +57,7 @@ from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import PolicySnapshot, policy_snapshot
+from tenants.resource_limits import resource_limits_read
 
 BATCH_CLASS = "batch"  # pseudo-class of the batch lane in the grid
 HISTORY_LEN = 120  # ticks kept per cell (about two minutes at one tick per second)
@@ -262,4 +265,21 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "capacity": capacity_read(
             fleet=fleet, target_utilisation=policy.pool.target_utilisation, with_history=with_history
         ),
+        # Outside resources: configured limit, effective limit now (AIMD, 0 while paused).
+        "resources": resources_rows(policy),
     }
+
+
+def resources_rows(policy: PolicySnapshot) -> list[dict[str, Any]]:
+    states = resource_limits_read(policy.resources[name] for name in sorted(policy.resources))
+    return [
+        {
+            "name": name,
+            "limit": state.configured,
+            "effective": state.limit,
+            "effective_exact": round(state.effective, 3),
+            "paused_for_s": round((state.paused_until_ms - state.now_ms) / 1000, 1) if state.paused else None,
+            "refusals": state.refusals,
+        }
+        for name, state in states.items()
+    ]

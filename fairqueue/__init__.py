@@ -2,5 +2,9 @@
 
 The Celery application lives in `fairqueue.celery` (`celery -A fairqueue` finds it there).
 It is not imported here, so `import fairqueue.engine`, the standalone throttle library,
-pulls in neither Celery nor Django.
+pulls in neither Celery nor Django. `Backoff`, which tasks raise, imports nothing.
 """
+
+from fairqueue.backoff import Backoff
+
+__all__ = ["Backoff"]

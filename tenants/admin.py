@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -15,7 +16,9 @@ from django.template.response import TemplateResponse
 from django.urls import reverse
 
 from tenants.admin_panel import PoolWhatIfMixin, TenantWhatIfMixin
-from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
+from tenants.models import LatencyClass, PoolSettings, Resource, Shard, SubTenant, Tenant
+from tenants.policy import ResourcePolicy
+from tenants.resource_limits import resource_limits_read
 from tenants.selectors import tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
 from webhooks.targets import TargetRefused, target_resolve
@@ -93,6 +96,54 @@ class LatencyClassAdmin(admin.ModelAdmin):
         if obj is not None and obj.name == "default":
             return False
         return super().has_delete_permission(request, obj)
+
+
+# --- Outside resources ------------------------------------------------------------------------
+
+
+@admin.register(Resource)
+class ResourceAdmin(admin.ModelAdmin):
+    """Configured limits and AIMD parameters; the effective limit, live from Redis."""
+
+    list_display = ["name", "limit", "effective_limit", "decrease_factor", "increase_per_success", "recovery_seconds"]
+    search_fields = ["name"]
+    readonly_fields = ["effective_limit", "updated_at"]
+    fieldsets = [
+        (None, {"fields": ["name", "limit", "effective_limit"]}),
+        (
+            "Backing off (AIMD)",
+            {
+                "fields": ["decrease_factor", "increase_per_success", "recovery_seconds"],
+                "description": "When a job's call is refused (the task raises fairqueue.Backoff), the effective "
+                "limit is multiplied by the decrease factor; each success then adds its increase, once the "
+                "recovery time has passed since the last cut. It stays between 1 and the configured limit.",
+            },
+        ),
+        ("History", {"fields": ["updated_at"], "classes": ["collapse"]}),
+    ]
+
+    @admin.display(description="effective limit")
+    def effective_limit(self, obj: Resource) -> str:
+        if obj.pk is None:
+            return "-"
+        policy = ResourcePolicy(
+            name=obj.name,
+            limit=obj.limit,
+            decrease_factor=obj.decrease_factor,
+            increase_per_success=obj.increase_per_success,
+            recovery_seconds=obj.recovery_seconds,
+            version=0,
+        )
+        try:
+            state = resource_limits_read([policy])[obj.name]
+        except redis.RedisError:
+            return "unknown (Redis unreachable)"
+        text = f"{state.limit} of {state.configured}"
+        if state.paused:
+            text += f" (paused for {(state.paused_until_ms - state.now_ms) / 1000:.1f} s)"
+        elif state.effective < state.configured:
+            text += f" (recovering: {state.effective:.2f})"
+        return text
 
 
 # --- Tenants and sub-tenants ----------------------------------------------------------------

@@ -19,6 +19,7 @@ POOL_KEY = "fq:{policy}:pool"
 TENANTS_INDEX = "fq:{policy}:tenants"
 SHARDS_INDEX = "fq:{policy}:shards"
 CLASSES_INDEX = "fq:{policy}:classes"
+RESOURCES_INDEX = "fq:{policy}:resources"
 
 # Keys a full resync must not delete: the counter stays monotonic, the lock guards the resync.
 PRESERVED_KEYS = frozenset({VERSION_KEY, RESYNC_LOCK_KEY})
@@ -38,3 +39,7 @@ def shard_key(name: str) -> str:
 
 def class_key(name: str) -> str:
     return f"{PREFIX}class:{name}"
+
+
+def resource_key(name: str) -> str:
+    return f"{PREFIX}resource:{name}"

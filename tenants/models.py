@@ -186,6 +186,41 @@ class SubTenant(models.Model):
                 )
 
 
+class Resource(models.Model):
+    """An outside resource jobs call (an LLM provider, a partner API): one throttle key with a
+    configured limit, and the AIMD parameters of the effective limit that backs off when
+    the resource answers "too many requests" (docs/resources.md)."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[SLUG_VALIDATOR])
+    limit = models.PositiveIntegerField(
+        default=10,
+        validators=[MinValueValidator(1), MaxValueValidator(100_000)],
+        help_text="Most concurrent jobs that may call it; the effective limit never goes above this.",
+    )
+    decrease_factor = models.FloatField(
+        default=0.5,
+        validators=[MinValueValidator(0.05), MaxValueValidator(0.95)],
+        help_text="On a refusal the effective limit is multiplied by this (never below 1).",
+    )
+    increase_per_success = models.FloatField(
+        default=0.2,
+        validators=[MinValueValidator(0.001), MaxValueValidator(10.0)],
+        help_text="Added to the effective limit by each job that succeeds (5 successes at 0.2 add one slot).",
+    )
+    recovery_seconds = models.FloatField(
+        default=10.0,
+        validators=[MinValueValidator(0.0), MaxValueValidator(86_400.0)],
+        help_text="After a refusal, successes start raising the effective limit again only after this long.",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class PoolSettings(models.Model):
     """Fleet-wide knobs; a single row (pk=1)."""
 

@@ -113,6 +113,29 @@ class ClassPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class ResourcePolicy:
+    """An outside resource's configured limit and the AIMD parameters of its effective one."""
+
+    name: str
+    limit: int
+    decrease_factor: float
+    increase_per_success: float
+    recovery_seconds: float
+    version: int
+
+    @classmethod
+    def from_hash(cls, name: str, data: dict[str, str]) -> ResourcePolicy:
+        return cls(
+            name=name,
+            limit=int(data["limit"]),
+            decrease_factor=float(data["decrease_factor"]),
+            increase_per_success=float(data["increase_per_success"]),
+            recovery_seconds=float(data["recovery_seconds"]),
+            version=int(data.get("version") or 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class PoolPolicy:
     # Defaults mirror PoolSettings' so a missing pool hash still yields sane numbers.
     target_utilisation: float = 0.85
@@ -147,6 +170,7 @@ class PolicySnapshot:
     shards: dict[str, ShardPolicy] = field(default_factory=dict)
     classes: dict[str, ClassPolicy] = field(default_factory=dict)
     pool: PoolPolicy = field(default_factory=PoolPolicy)
+    resources: dict[str, ResourcePolicy] = field(default_factory=dict)
     version: int = 0
     sync_id: str = ""  # the `synced` marker it was loaded under; changes when Redis is rebuilt
     auth_version: str = ""  # keys.AUTH_VERSION_KEY as last read: changes when an API key is rotated
@@ -286,8 +310,10 @@ def _load(client: Client) -> PolicySnapshot:
         pipe.smembers(keys.TENANTS_INDEX)
         pipe.smembers(keys.SHARDS_INDEX)
         pipe.smembers(keys.CLASSES_INDEX)
-        raw_version, sync_id, auth_version, slugs, shard_names, class_names = pipe.execute()
+        pipe.smembers(keys.RESOURCES_INDEX)
+        raw_version, sync_id, auth_version, slugs, shard_names, class_names, resource_names = pipe.execute()
         slugs, shard_names, class_names = sorted(slugs), sorted(shard_names), sorted(class_names)
+        resource_names = sorted(resource_names)
 
         pipe = client.pipeline(transaction=True)
         pipe.get(keys.VERSION_KEY)
@@ -299,6 +325,8 @@ def _load(client: Client) -> PolicySnapshot:
             pipe.hgetall(keys.shard_key(name))
         for name in class_names:
             pipe.hgetall(keys.class_key(name))
+        for name in resource_names:
+            pipe.hgetall(keys.resource_key(name))
         results = pipe.execute()
         if results[0] == raw_version:
             break
@@ -334,6 +362,12 @@ def _load(client: Client) -> PolicySnapshot:
         )
         if data and latency_class is not None:
             classes[name] = latency_class
+    resources: dict[str, ResourcePolicy] = {}
+    for name in resource_names:
+        data = next(it)
+        resource = _parse("resource", name, data, lambda d, n=name: ResourcePolicy.from_hash(n, d))
+        if data and resource is not None:
+            resources[name] = resource
     pool = _parse("pool", "pool", results[1], PoolPolicy.from_hash) or PoolPolicy()
     return PolicySnapshot(
         tenants=tenants,
@@ -341,6 +375,7 @@ def _load(client: Client) -> PolicySnapshot:
         shards=shards,
         classes=classes,
         pool=pool,
+        resources=resources,
         version=int(raw_version or 0),
         sync_id=sync_id or "",
         auth_version=auth_version or "",

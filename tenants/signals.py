@@ -8,7 +8,7 @@ from django.db.models.signals import post_delete, post_save, pre_save
 from django.dispatch import receiver
 
 from tenants import sync
-from tenants.models import LatencyClass, PoolSettings, Shard, SubTenant, Tenant
+from tenants.models import LatencyClass, PoolSettings, Resource, Shard, SubTenant, Tenant
 
 # Saving only these (API key rotation) changes no policy Redis holds, only the key version.
 # Credentials: changing them changes no policy, but processes must drop their cached tenant
@@ -121,3 +121,21 @@ def _pool_post_save(sender: type[PoolSettings], instance: PoolSettings, **kwargs
 @receiver(post_delete, sender=PoolSettings, dispatch_uid="fq_pool_post_delete")
 def _pool_post_delete(sender: type[PoolSettings], instance: PoolSettings, **kwargs: Any) -> None:
     sync.pool_policy_delete_on_commit()
+
+
+@receiver(pre_save, sender=Resource, dispatch_uid="fq_resource_pre_save")
+def _resource_pre_save(sender: Any, instance: Resource, update_fields: Any = None, **kwargs: Any) -> None:
+    instance._fq_old_name = _previous_value(sender, instance, "name", update_fields)  # type: ignore[attr-defined]
+
+
+@receiver(post_save, sender=Resource, dispatch_uid="fq_resource_post_save")
+def _resource_post_save(sender: type[Resource], instance: Resource, **kwargs: Any) -> None:
+    old_name = getattr(instance, "_fq_old_name", None)
+    if old_name and old_name != instance.name:
+        sync.resource_policy_delete_on_commit(name=old_name)
+    sync.resource_policy_sync_on_commit(resource_id=instance.pk)
+
+
+@receiver(post_delete, sender=Resource, dispatch_uid="fq_resource_post_delete")
+def _resource_post_delete(sender: type[Resource], instance: Resource, **kwargs: Any) -> None:
+    sync.resource_policy_delete_on_commit(name=instance.name)

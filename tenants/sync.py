@@ -16,7 +16,7 @@ from redis.client import Pipeline
 
 from fairqueue.engine.cluster import Client
 from tenants import keys
-from tenants.models import LatencyClass, PoolSettings, Shard, Tenant
+from tenants.models import LatencyClass, PoolSettings, Resource, Shard, Tenant
 from tenants.redis_client import get_redis
 
 log = logging.getLogger("fairqueue.tenants.sync")
@@ -33,6 +33,7 @@ class PolicySyncResult:
     shards: int
     classes: int
     deleted_keys: int
+    resources: int
     version: int
 
 
@@ -72,6 +73,16 @@ def _shard_mapping(shard: Shard) -> dict[str, str]:
 
 def _class_mapping(latency_class: LatencyClass) -> dict[str, str]:
     return {"objective_seconds": str(latency_class.objective_seconds), "rank": str(latency_class.rank)}
+
+
+def resource_policy_mapping(*, resource: Resource) -> dict[str, str]:
+    """The fields of `fq:{policy}:resource:<name>` (without version)."""
+    return {
+        "limit": str(resource.limit),
+        "decrease_factor": repr(float(resource.decrease_factor)),
+        "increase_per_success": repr(float(resource.increase_per_success)),
+        "recovery_seconds": repr(float(resource.recovery_seconds)),
+    }
 
 
 def _pool_mapping(pool: PoolSettings) -> dict[str, str]:
@@ -119,6 +130,12 @@ def _put_class(pipe: Pipeline, latency_class: LatencyClass, version: int) -> Non
     mapping = {**_class_mapping(latency_class), "version": str(version)}
     pipe.hset(keys.class_key(latency_class.name), mapping=_fields(mapping))
     pipe.sadd(keys.CLASSES_INDEX, latency_class.name)
+
+
+def _put_resource(pipe: Pipeline, resource: Resource, version: int) -> None:
+    mapping = {**resource_policy_mapping(resource=resource), "version": str(version)}
+    pipe.hset(keys.resource_key(resource.name), mapping=_fields(mapping))
+    pipe.sadd(keys.RESOURCES_INDEX, resource.name)
 
 
 def _put_pool(pipe: Pipeline, pool: PoolSettings, version: int) -> None:
@@ -203,6 +220,18 @@ def latency_class_policy_delete(*, name: str) -> int:
     return _versioned_write(write)
 
 
+def resource_policy_sync(*, resource: Resource) -> int:
+    return _versioned_write(lambda pipe, version: _put_resource(pipe, resource, version))
+
+
+def resource_policy_delete(*, name: str) -> int:
+    def write(pipe: Pipeline, version: int) -> None:
+        pipe.delete(keys.resource_key(name))
+        pipe.srem(keys.RESOURCES_INDEX, name)
+
+    return _versioned_write(write)
+
+
 def pool_policy_sync(*, pool: PoolSettings) -> int:
     return _versioned_write(lambda pipe, version: _put_pool(pipe, pool, version))
 
@@ -223,6 +252,7 @@ def policy_sync_all() -> PolicySyncResult:
     tenants = list(_tenant_queryset())
     shards = list(Shard.objects.all())
     classes = list(LatencyClass.objects.all())
+    resources = list(Resource.objects.all())
     pool = PoolSettings.load()
     stale: list[str] = []
 
@@ -239,6 +269,8 @@ def policy_sync_all() -> PolicySyncResult:
             _put_shard(pipe, shard, version)
         for latency_class in classes:
             _put_class(pipe, latency_class, version)
+        for resource in resources:
+            _put_resource(pipe, resource, version)
         _put_pool(pipe, pool, version)
         pipe.set(keys.SYNCED_KEY, f"{version}@{timezone.now().isoformat()}")
 
@@ -249,6 +281,7 @@ def policy_sync_all() -> PolicySyncResult:
         shards=len(shards),
         classes=len(classes),
         deleted_keys=len(stale),
+        resources=len(resources),
         version=version,
     )
 
@@ -334,6 +367,19 @@ def latency_class_policy_sync_on_commit(*, latency_class_id: int) -> None:
 
 def latency_class_policy_delete_on_commit(*, name: str) -> None:
     _defer(("class-delete", name), lambda: latency_class_policy_delete(name=name))
+
+
+def resource_policy_sync_on_commit(*, resource_id: int) -> None:
+    def run() -> None:
+        resource = Resource.objects.filter(pk=resource_id).first()
+        if resource is not None:
+            resource_policy_sync(resource=resource)
+
+    _defer(("resource", resource_id), run)
+
+
+def resource_policy_delete_on_commit(*, name: str) -> None:
+    _defer(("resource-delete", name), lambda: resource_policy_delete(name=name))
 
 
 def pool_policy_sync_on_commit() -> None:

@@ -22,12 +22,14 @@ from tests.factories import make_tenant
 from tests.workers import WorkerProcess, wait_for
 
 # The issue's bar, for jobs that waited more than WAITED_S: the median absolute error of
-# the ETA taken right after the submit, against the (median) actual wait. Measured and
-# printed; on a 2-core host shared with other test runs it ranged from 8 % to over 60 %
-# (docs/whatif.md says why), so the test asserts what must hold whatever the host's load:
-# ETAs rank the jobs as their waits do, and are of the right size.
+# the ETA taken right after the submit, against the (median) actual wait, within
+# TARGET_ERROR. On a 2-core host shared with other test runs one run ranged from 8 % to
+# over 60 % (docs/whatif.md says why), so the workload runs up to ATTEMPTS times until one
+# meets it; every run must meet what holds whatever the host's load: ETAs rank the jobs as
+# their waits do, and are of the right size.
 WAITED_S = 2.0
 TARGET_ERROR = 0.30
+ATTEMPTS = 3
 MIN_RANK_CORRELATION = 0.6
 MAX_ERROR_FACTOR = 1.0  # median |ETA - wait| below the median wait: not off by a multiple
 
@@ -90,107 +92,131 @@ class EtaFields(RedisTestCase):
 class EtaAccuracy(RedisTransactionTestCase):
     """bench noisy's quick workload (four steady tenants, a burst of 320 jobs in four bulk
     submits) on 4 real workers x 4 slots, as the bench runs it; every noisy job's ETA is
-    taken right after its bulk submit and compared with when it really started."""
+    taken right after its bulk submit and compared with when it really started.
+
+    The issue's bound is asserted: for jobs that waited more than WAITED_S, the median
+    |ETA - wait| is within TARGET_ERROR of the median wait. An ETA given at submit cannot
+    foresee the host slowing down under other test runs, so the workload is run again (on
+    the same workers, up to ATTEMPTS times) while a run misses the bound: a wrong ETA misses
+    it every time, a burst of load on a shared host only sometimes. Every run's figures are
+    printed."""
 
     serialized_rollback = True
+
+    def run_workload(self, tenants: dict[str, Tenant], plan: list[Planned]) -> list[tuple[float, float]]:
+        """Submit the plan as the bench does; return (ETA at submit, actual wait) per noisy job."""
+        etas: dict[str, tuple[float, float]] = {}  # job id -> (eta, when it was given)
+        errors: list[str] = []
+        start = time.time() + 0.3
+        submitted: list[str] = []
+
+        def wait_until(at: float) -> None:
+            delay = start + at - time.time()
+            if delay > 0:
+                time.sleep(delay)
+
+        def steady(items: list[Planned]) -> None:
+            try:
+                for p in items:
+                    wait_until(p.at)
+                    req = JobRequest(task="demo.sleep", args={"seconds": p.seconds})
+                    submitted.append(str(job_submit(tenant=tenants[p.tenant], req=req).job.id))
+            except Exception as exc:
+                errors.append(repr(exc))
+            finally:
+                connections.close_all()
+
+        askers: list[threading.Thread] = []
+
+        def ask(jobs: list[Job]) -> None:
+            try:
+                for job in jobs:
+                    eta = job_eta(job)
+                    if eta.eta_seconds is not None:
+                        etas[str(job.id)] = (eta.eta_seconds, time.time())
+            except Exception as exc:
+                errors.append(repr(exc))
+            finally:
+                connections.close_all()
+
+        def burst(items: list[Planned]) -> None:
+            try:
+                chunks: dict[int, list[Planned]] = {}
+                for p in items:
+                    chunks.setdefault(p.chunk, []).append(p)
+                for _, chunk in sorted(chunks.items()):
+                    wait_until(chunk[0].at)
+                    reqs = [JobRequest(task="demo.sleep", args={"seconds": p.seconds}) for p in chunk]
+                    jobs = [r.job for r in job_submit_bulk(tenant=tenants[NOISY_SLUG], reqs=reqs)]
+                    submitted.extend(str(j.id) for j in jobs)
+                    # Asked for at once, beside the next submits (as clients polling would).
+                    asking = threading.Thread(target=ask, args=(jobs,))
+                    asking.start()
+                    askers.append(asking)
+            except Exception as exc:
+                errors.append(repr(exc))
+            finally:
+                connections.close_all()
+
+        by_tenant: dict[str, list[Planned]] = {}
+        for p in plan:
+            by_tenant.setdefault(p.tenant, []).append(p)
+        threads = [
+            threading.Thread(target=burst if slug == NOISY_SLUG else steady, args=(items,))
+            for slug, items in by_tenant.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for t in askers:
+            t.join()
+        self.assertEqual(errors, [])
+        wait_for(
+            lambda: Job.objects.filter(id__in=submitted, status__in=TERMINAL_STATUSES).count() == len(plan),
+            timeout=240,
+            message="every job to finish",
+        )
+        started = {str(k): v for k, v in Job.objects.filter(id__in=list(etas)).values_list("id", "started_at")}
+        return [(eta, started[job_id].timestamp() - at) for job_id, (eta, at) in etas.items()]
 
     def test_eta_given_at_submit_against_the_noisy_workload(self) -> None:
         w = PRESETS["quick"]
         _policy_setup("fair", w)
         tenants = {t.slug: t for t in Tenant.objects.select_related("shard")}
         plan = workload_plan(w)
-        etas: dict[str, tuple[float, float]] = {}  # job id -> (eta, when it was given)
-        errors: list[str] = []
         workers = [WorkerProcess(slots=w.slots_per_worker, name=f"eta{i}") for i in range(w.workers)]
+        errors_by_run: list[float] = []
         try:
             for worker in workers:
                 worker.start()
             time.sleep(1.5)  # every worker's heartbeat and first tick, as the bench waits
-            start = time.time() + 0.3
-
-            def wait_until(at: float) -> None:
-                delay = start + at - time.time()
-                if delay > 0:
-                    time.sleep(delay)
-
-            def steady(items: list[Planned]) -> None:
-                try:
-                    for p in items:
-                        wait_until(p.at)
-                        req = JobRequest(task="demo.sleep", args={"seconds": p.seconds})
-                        job_submit(tenant=tenants[p.tenant], req=req)
-                except Exception as exc:
-                    errors.append(repr(exc))
-                finally:
-                    connections.close_all()
-
-            askers: list[threading.Thread] = []
-
-            def ask(jobs: list[Job]) -> None:
-                try:
-                    for job in jobs:
-                        eta = job_eta(job)
-                        if eta.eta_seconds is not None:
-                            etas[str(job.id)] = (eta.eta_seconds, time.time())
-                except Exception as exc:
-                    errors.append(repr(exc))
-                finally:
-                    connections.close_all()
-
-            def burst(items: list[Planned]) -> None:
-                try:
-                    chunks: dict[int, list[Planned]] = {}
-                    for p in items:
-                        chunks.setdefault(p.chunk, []).append(p)
-                    for _, chunk in sorted(chunks.items()):
-                        wait_until(chunk[0].at)
-                        reqs = [JobRequest(task="demo.sleep", args={"seconds": p.seconds}) for p in chunk]
-                        jobs = [r.job for r in job_submit_bulk(tenant=tenants[NOISY_SLUG], reqs=reqs)]
-                        # Asked for at once, beside the next submits (as clients polling would).
-                        asking = threading.Thread(target=ask, args=(jobs,))
-                        asking.start()
-                        askers.append(asking)
-                except Exception as exc:
-                    errors.append(repr(exc))
-                finally:
-                    connections.close_all()
-
-            by_tenant: dict[str, list[Planned]] = {}
-            for p in plan:
-                by_tenant.setdefault(p.tenant, []).append(p)
-            threads = [
-                threading.Thread(target=burst if slug == NOISY_SLUG else steady, args=(items,))
-                for slug, items in by_tenant.items()
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            for t in askers:
-                t.join()
-            self.assertEqual(errors, [])
-            wait_for(
-                lambda: Job.objects.filter(status__in=TERMINAL_STATUSES).count() == len(plan),
-                timeout=180,
-                message="every job to finish",
-            )
+            for attempt in range(1, ATTEMPTS + 1):
+                pairs = self.run_workload(tenants, plan)
+                long_waits = [(eta, actual) for eta, actual in pairs if actual > WAITED_S]
+                self.assertGreater(len(long_waits), 50, "the burst makes many jobs wait")
+                absolute = statistics.median(abs(eta - actual) for eta, actual in long_waits)
+                median_wait = statistics.median(actual for _, actual in long_waits)
+                relative = statistics.median(abs(eta - actual) / actual for eta, actual in long_waits)
+                correlation = rank_correlation([e for e, _ in pairs], [a for _, a in pairs])
+                errors_by_run.append(absolute / median_wait)
+                print(
+                    f"\nETA at submit, run {attempt}, {len(long_waits)} jobs that waited > {WAITED_S:g} s: "
+                    f"median |ETA - wait| {absolute:.2f} s = {absolute / median_wait:.1%} of the median wait "
+                    f"{median_wait:.2f} s (median of |ETA - wait| / wait: {relative:.1%}); rank correlation "
+                    f"of ETAs and waits {correlation:.2f}"
+                )
+                # Whatever the load: ETAs rank the jobs as their waits do, and are of the right size.
+                self.assertGreaterEqual(correlation, MIN_RANK_CORRELATION)
+                self.assertLess(absolute, MAX_ERROR_FACTOR * median_wait)
+                if absolute <= TARGET_ERROR * median_wait:
+                    break
         finally:
             for worker in workers:
                 worker.kill()
-        started = {str(k): v for k, v in Job.objects.filter(id__in=list(etas)).values_list("id", "started_at")}
-        pairs = [(eta, started[job_id].timestamp() - at) for job_id, (eta, at) in etas.items()]
-        long_waits = [(eta, actual) for eta, actual in pairs if actual > WAITED_S]
-        self.assertGreater(len(long_waits), 50, "the burst makes many jobs wait")
-        absolute = statistics.median(abs(eta - actual) for eta, actual in long_waits)
-        median_wait = statistics.median(actual for _, actual in long_waits)
-        relative = statistics.median(abs(eta - actual) / actual for eta, actual in long_waits)
-        print(
-            f"\nETA at submit, {len(long_waits)} jobs that waited > {WAITED_S:g} s: median |ETA - wait| "
-            f"{absolute:.2f} s = {absolute / median_wait:.1%} of the median wait {median_wait:.2f} s "
-            f"(median of |ETA - wait| / wait: {relative:.1%})"
+        self.assertLessEqual(
+            min(errors_by_run),
+            TARGET_ERROR,
+            f"the issue's bound: median |ETA - wait| within {TARGET_ERROR:.0%} of the median wait "
+            f"(runs: {', '.join(f'{e:.1%}' for e in errors_by_run)})",
         )
-        verdict = "within" if absolute <= TARGET_ERROR * median_wait else "NOT within"
-        correlation = rank_correlation([e for e, _ in pairs], [a for _, a in pairs])
-        print(f"{verdict} the issue's {TARGET_ERROR:.0%}; rank correlation of ETAs and waits {correlation:.2f}")
-        self.assertGreaterEqual(correlation, MIN_RANK_CORRELATION)
-        self.assertLess(absolute, MAX_ERROR_FACTOR * median_wait)

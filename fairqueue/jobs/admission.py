@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fairqueue.engine import KeyLimit
@@ -22,6 +23,10 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
 BATCH_PRIORITY = 0
+# An outside resource's key sorts before every other, so a job waiting for a throttled (or
+# paused) upstream holds nothing else meanwhile: no tenant or shard slot sits idle behind
+# an upstream's refusal (docs/resources.md).
+RESOURCE_KEY_PREFIX = "0:r:"
 
 
 def shard_tag(shard: str) -> str:
@@ -35,6 +40,10 @@ def tenant_key(slug: str) -> str:
 
 def sub_tenant_key(slug: str, external_id: str) -> str:
     return f"1:st:{slug}:{external_id}"
+
+
+def resource_key(name: str) -> str:
+    return f"{RESOURCE_KEY_PREFIX}{name}"
 
 
 @dataclass(frozen=True)
@@ -130,20 +139,32 @@ def batch_limits(
     return {shard: running + idle for shard, running in batch_by_shard.items()}
 
 
-def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool) -> list[str]:
+def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = ()) -> list[str]:
     """A job's key names (admission_plan pairs them with limits). A release passes them to
     the engine as a hint that saves it a read; a stale hint (the job moved lanes) is
-    ignored there."""
+    ignored there. The keys of the outside resources it calls come last here (the engine
+    sorts them first)."""
     names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
     if sub_tenant:
         names.append(sub_tenant_key(tenant_slug, sub_tenant))
+    names += [resource_key(r) for r in resources]
     return names
 
 
-def job_placement(*, tenant: TenantPolicy, sub_tenant: str, batch: bool) -> tuple[str, list[str]]:
+def known_resources(policy: PolicySnapshot, names: Sequence[str]) -> list[str]:
+    """The resources of `names` the policy knows, sorted: one deleted since a job was
+    submitted is no longer throttled, so it gets no key."""
+    return sorted(r for r in set(names) if r in policy.resources)
+
+
+def job_placement(
+    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = ()
+) -> tuple[str, list[str]]:
     """Where a job is admitted now: its engine tag and key names. Stored on the job, so its
     later engine calls go to the same place even if the tenant or shard is renamed or moved."""
-    return shard_tag(tenant.shard), key_names(tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch)
+    return shard_tag(tenant.shard), key_names(
+        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources
+    )
 
 
 def class_level(policy: PolicySnapshot, latency_class: str) -> int:
@@ -167,12 +188,16 @@ def admission_plan(
     batch: bool = False,
     batch_limit: int = 0,
     placement: tuple[str, list[str]] | None = None,
+    resource_limits: Mapping[str, int] | None = None,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
 
     `placement` is the (tag, key names) stored on the job when it differs from where the
     tenant is now (it was moved or renamed since): the limits pair with those names.
+
+    `resource_limits` maps each outside resource the job calls to its key's limit now (the
+    effective limit, 0 while paused: tenants.resource_limits); each is one more key.
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
@@ -184,7 +209,9 @@ def admission_plan(
     if sub_tenant:
         cap = sub_tenant_cap(policy, tenant, sub_tenant, breakdown.limit)
         limits.append(cap)
-    tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch)
+    resources = sorted(resource_limits or {})
+    limits += [(resource_limits or {})[r] for r in resources]
+    tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources)
     # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
     # weighted by its floor; at the tenant key each sub-tenant is one (splitting work over
     # many sub-tenants or keys gains nothing at the shard: it is still one flow there).
@@ -192,6 +219,7 @@ def admission_plan(
     flows = [tenant_flow if batch else (sub_tenant, 1.0), tenant_flow]
     if sub_tenant:
         flows.append(("", 1.0))
+    flows += [tenant_flow] * len(resources)  # shared by tenants like the shard: one flow each
     keys = [
         KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
     ]

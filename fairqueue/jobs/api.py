@@ -23,7 +23,7 @@ from fairqueue.jobs import selectors
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
-from fairqueue.jobs.submission import IDEMPOTENCY_MAX, JobRequest, job_submit, job_submit_bulk
+from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant
 from webhooks.selectors import job_webhooks
@@ -206,6 +206,11 @@ class JobIn(Schema):
         description="Where to POST this job's signed completion event (else the tenant's webhook URL, if any). "
         "A public http(s) URL; private, loopback and link-local addresses are refused.",
     )
+    resources: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_RESOURCES_PER_JOB,
+        description="Outside resources the job calls (names configured by the operator): each throttles it.",
+    )
 
     def to_request(self) -> JobRequest:
         return JobRequest(
@@ -217,6 +222,7 @@ class JobIn(Schema):
             idempotency_key=self.idempotency_key,
             timeout_seconds=self.timeout_seconds,
             callback_url=self.callback_url,
+            resources=tuple(self.resources),
         )
 
 
@@ -258,6 +264,7 @@ class JobOut(Schema):
     timeout_seconds: float | None = Field(
         None, description="The wall-clock limit each attempt runs under: the task's, or the lower one asked at submit."
     )
+    resources: list[str] = Field(default_factory=list, description="Outside resources the job calls.")
     waiting_on: WaitingOn | None = None
     position: int | None = Field(
         None,
@@ -308,6 +315,15 @@ class PoolOut(Schema):
     batch_in_flight: int
 
 
+class ResourceLimitOut(Schema):
+    name: str
+    limit: int = Field(..., description="The configured limit.")
+    effective: int = Field(..., description="Slots it runs at now: backs off on refusals (AIMD), 0 while paused.")
+    effective_exact: float = Field(..., description="The AIMD number behind `effective` (increases are fractions).")
+    paused_until: datetime | None = Field(None, description="Set while a retry-after pauses new admissions.")
+    refusals: int
+
+
 class LimitsOut(Schema):
     tenant: str
     shard: str
@@ -333,6 +349,7 @@ class LimitsOut(Schema):
     rate_per_min: float
     mean_job_seconds: float
     pool: PoolOut
+    resources: list[ResourceLimitOut] = Field(default_factory=list, description="Every outside resource's limits.")
 
 
 # --- endpoints ----------------------------------------------------------------------------------

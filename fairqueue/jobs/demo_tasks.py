@@ -1,7 +1,8 @@
 """Demo tasks: a sleep and a simulated document parse, which write a ledger entry once and
 stop when their worker can no longer trust it holds the job (JobContext.check_hold) or
-their time is up (JobContext.check_deadline), and a no-op, which does nothing at all (what
-FairQueue itself costs per job: `bench throughput`).
+their time is up (JobContext.check_deadline), a no-op, which does nothing at all (what
+FairQueue itself costs per job: `bench throughput`), and a call to an upstream on this
+machine that backs off when it answers 429 (docs/resources.md, `bench backoff`).
 
 The parse is CPU work, so it runs isolated: in a child process of the worker, killed past
 its timeout or its memory limit without harming the worker (fairqueue.jobs.isolation)."""
@@ -10,13 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import time
+import urllib.error
+import urllib.request
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from fairqueue.backoff import Backoff
 from fairqueue.jobs.models import LedgerEntry
 from fairqueue.jobs.registry import JobContext, fairqueue_task
 
@@ -35,6 +41,35 @@ class ParseArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pages: int = Field(ge=1, le=10_000)
     io_ms_per_page: float = Field(default=20.0, ge=0, le=10_000)
+
+
+# The demo call reaches only this machine: a task that fetched any URL a tenant names would
+# let tenants reach the workers' network.
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+class CallArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(max_length=500)
+    resource: str = Field(min_length=1, max_length=63, description="The resource to back off from on a 429.")
+    timeout: float = Field(default=30.0, gt=0, le=300)
+
+    @field_validator("url")
+    @classmethod
+    def _loopback_only(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.hostname not in LOOPBACK_HOSTS:
+            raise ValueError("the demo call reaches only http:// URLs on this machine (127.0.0.1, localhost)")
+        return url
+
+
+def retry_after_seconds(header: str | None) -> float | None:
+    """A Retry-After header in seconds (its HTTP-date form is not used by the demo)."""
+    try:
+        value = float(header) if header else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value <= 3600 else None
 
 
 # How often a sleeping demo task checks that its worker still holds the job.
@@ -106,3 +141,20 @@ def demo_parse(ctx: JobContext, args: ParseArgs) -> dict[str, Any]:
         words += len(text.split())
     ledger_write(ctx, "demo.parse")
     return {"started": started, "finished": _now(), "worker": ctx.worker, "words": words, "digest": digest.hexdigest()}
+
+
+def demo_call(ctx: JobContext, args: CallArgs) -> dict[str, Any]:
+    """GET the URL; a 429 raises Backoff for the resource (the job waits again, not fails)."""
+    ctx.check_hold()
+    try:
+        with urllib.request.urlopen(args.url, timeout=args.timeout) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        if exc.code == 429:
+            raise Backoff(args.resource, retry_after=retry_after_seconds(exc.headers.get("Retry-After"))) from None
+        raise
+    return {"status": status, "worker": ctx.worker}
+
+
+if settings.DEMO_MODE:
+    fairqueue_task("demo.call", args=CallArgs)(demo_call)

@@ -23,11 +23,12 @@ from django.utils import timezone
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, stats
-from fairqueue.jobs.admission import admission_plan, class_level, job_placement, shard_tag
+from fairqueue.jobs.admission import admission_plan, class_level, job_placement, known_resources, shard_tag
 from fairqueue.jobs.broker import deliveries_publish, delivery_route, split_engine_id
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
+from tenants.resource_limits import resource_limits_read
 from webhooks.outbox import event_record
 
 WAITING = sorted(WAITING_STATUSES)
@@ -81,6 +82,13 @@ def jobs_admit(
         log.warning("Redis unreachable: %d job(s) stay queued until it is back", len(jobs))
 
 
+def resource_key_limits(jobs: Iterable[Job], policy: PolicySnapshot) -> dict[str, int]:
+    """The key limit now of every outside resource these jobs call (one Redis read, none
+    when no job calls any)."""
+    names = known_resources(policy, [r for job in jobs for r in job.resource_names])
+    return {name: state.limit for name, state in resource_limits_read(policy.resources[n] for n in names).items()}
+
+
 def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence[Job]) -> set[str]:
     """Mark ready each tag where no unfinished job besides `exclude` is placed (nothing the
     engine could have lost there, so nothing to rebuild); returns the tags marked."""
@@ -102,10 +110,12 @@ def _tags_init_if_idle(tags: set[str], policy: PolicySnapshot, exclude: Sequence
     return ready
 
 
-def _placement(job: Job, tenant: TenantPolicy) -> tuple[str, list[str]]:
+def _placement(job: Job, tenant: TenantPolicy, resources: Sequence[str] = ()) -> tuple[str, list[str]]:
     """The job's stored placement; a row without one (written before placements were
     stored) gets the current one, stored here so its later engine calls find it."""
-    now_tag, now_names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+    now_tag, now_names = job_placement(
+        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, resources=resources
+    )
     names = job.engine_key_names
     if job.engine_tag and len(names) == len(now_names):
         return job.engine_tag, names
@@ -136,10 +146,12 @@ def _jobs_admit(
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
     admitted_jobs = []
+    outside = resource_key_limits(jobs, policy)
     for job in jobs:
         tp = policy.tenants.get(job.tenant.slug)
         if tp is None or job.status in TERMINAL_STATUSES:
             continue
+        resources = {r: outside[r] for r in known_resources(policy, job.resource_names)}
         plan = admission_plan(
             policy=policy,
             tenant=tp,
@@ -149,7 +161,8 @@ def _jobs_admit(
             batch=job.in_batch_lane,
             # Batch work must see the pool as it is now, not as cached a second ago.
             batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if job.in_batch_lane else 0,
-            placement=_placement(job, tp),
+            placement=_placement(job, tp, sorted(resources)),
+            resource_limits=resources,
         )
         items.append(
             AdmitRequest(
@@ -267,7 +280,10 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 tenant = policy.tenants.get(job.tenant.slug)
                 if tenant is not None:  # a new admission: wherever the tenant is now
                     job.engine_tag, names = job_placement(
-                        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane
+                        tenant=tenant,
+                        sub_tenant=job.sub_tenant,
+                        batch=job.in_batch_lane,
+                        resources=known_resources(policy, job.resource_names),
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)

@@ -16,13 +16,14 @@ from datetime import timedelta
 from django.utils import timezone
 
 from fairqueue.jobs import live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.limits_plan import limits_plan
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
+from fairqueue.jobs.resource_keys import resource_limits_refresh
 from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
 from tenants.limits import shard_caps
@@ -73,6 +74,7 @@ def scheduler_tick() -> None:
         track_moves,
         lambda: sweep_once(old_tags),
         limits_refresh,
+        resource_limits_refresh,
         batch_promote_due,
         jobs_admit_pending,
         releases_pending,
@@ -121,7 +123,9 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
     promoted_at = timezone.now()
     fields = {"promoted_at": promoted_at, "generation": job.generation + 1, "status": JobStatus.QUEUED}
     if tenant is not None:
-        tag, names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=False)
+        tag, names = job_placement(
+            tenant=tenant, sub_tenant=job.sub_tenant, batch=False, resources=known_resources(policy, job.resource_names)
+        )
         fields.update(engine_tag=tag, engine_keys=KEY_SEPARATOR.join(names))
     won = Job.objects.filter(
         id=job.id, generation=job.generation, status=JobStatus.PARKED, promoted_at__isnull=True

@@ -22,9 +22,11 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
 from fairqueue.jobs import handback, live, payloads, stats
 from fairqueue.jobs.admission import key_names, shard_tag
+from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
 from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
 from fairqueue.jobs.handoff import inline_pick
@@ -160,6 +162,9 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         # (the finally below stops renewing it).
         log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
         return "fenced", None
+    except Backoff as refusal:
+        # An outside resource refused it: back to wait, not failed (fairqueue.jobs.backoff).
+        return job_back_off(job, refusal, started=now), None
     except Exception as exc:
         outcome = "failed"
         reason = failure_reason(exc)  # "timeout", "memory_limit", "crashed" or "exception"
@@ -177,6 +182,8 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):
         stats.count(f"finished:{fields['status']}")
+        if job.resources and fields["status"] == JobStatus.SUCCEEDED:
+            job_resources_succeeded(job)
     kept = job_release_keeping(job, keep)
     try:
         live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)

@@ -64,6 +64,11 @@ class Job(models.Model):
     callback_url = models.CharField(
         max_length=2000, blank=True, default="", help_text="This job's own webhook target (else the tenant's)."
     )
+    # Outside resources the job calls (tenants.Resource names, space-separated, sorted): each
+    # is one more throttle key of its admission (fairqueue.jobs.admission.resource_key).
+    resources = models.CharField(
+        max_length=300, blank=True, default="", help_text="Outside resources it calls, space-separated."
+    )
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )
@@ -97,6 +102,10 @@ class Job(models.Model):
     @property
     def engine_key_names(self) -> list[str]:
         return self.engine_keys.split(KEY_SEPARATOR) if self.engine_keys else []
+
+    @property
+    def resource_names(self) -> list[str]:
+        return self.resources.split(KEY_SEPARATOR) if self.resources else []
 
     @property
     def engine_id(self) -> str:

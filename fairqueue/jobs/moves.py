@@ -26,7 +26,7 @@ import logging
 from django.db.models import QuerySet
 
 from fairqueue.jobs import live
-from fairqueue.jobs.admission import SHARD_KEY, job_placement, shard_tag, tenant_key
+from fairqueue.jobs.admission import SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import KEY_SEPARATOR, UNFINISHED_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
@@ -139,7 +139,12 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
         tenant = policy.tenants.get(job.tenant.slug)
         if tenant is None:
             continue
-        tag, names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+        tag, names = job_placement(
+            tenant=tenant,
+            sub_tenant=job.sub_tenant,
+            batch=job.in_batch_lane,
+            resources=known_resources(policy, job.resource_names),
+        )
         keys = KEY_SEPARATOR.join(names)
         if (job.engine_tag, job.engine_keys) == (tag, keys):
             continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,6 +24,9 @@ class RegisteredTask:
     isolated: bool = False
     timeout_seconds: float | None = None  # wall clock per attempt; a job may lower it
     memory_limit_mb: float | None = None  # isolated tasks only: growth of the child's memory
+    # Outside resources every job of this task calls (tenants.models.Resource names): each
+    # is a throttle key of its admissions, besides those a submit names.
+    resources: tuple[str, ...] = ()
 
 
 class HoldLost(Exception):
@@ -96,13 +99,15 @@ def fairqueue_task(
     isolated: bool = False,
     timeout_seconds: float | None = None,
     memory_limit_mb: float | None = None,
+    resources: Sequence[str] = (),
 ) -> Callable[[F], F]:
     """Register `func(ctx, args_model_instance)` as the task `name` customers may submit.
 
     `isolated=True` runs it in a child process of the worker (a module-level function,
     since the child imports it by name), which is killed past `timeout_seconds` or when
     it grows by more than `memory_limit_mb`; a task that is not isolated checks its
-    timeout itself (JobContext.check_deadline).
+    timeout itself (JobContext.check_deadline). `resources` names the outside resources
+    each of its jobs calls (docs/resources.md).
     """
     if not valid_limit(timeout_seconds) or not valid_limit(memory_limit_mb):
         raise ValueError(f"task {name!r}: timeout_seconds and memory_limit_mb must be positive numbers")
@@ -119,6 +124,7 @@ def fairqueue_task(
             isolated=isolated,
             timeout_seconds=timeout_seconds,
             memory_limit_mb=memory_limit_mb,
+            resources=tuple(resources),
         )
         return func
 

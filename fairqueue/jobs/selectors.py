@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 from django.db import models
@@ -17,7 +18,8 @@ from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
 from tenants.models import Tenant
-from tenants.policy import policy_snapshot
+from tenants.policy import PolicySnapshot, policy_snapshot
+from tenants.resource_limits import resource_limits_read
 
 
 def job_get(*, tenant: Tenant, job_id: str) -> Job:
@@ -91,6 +93,7 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "error": job.error or None,
         "error_reason": job.error_reason or None,
         "timeout_seconds": job_timeout(job),
+        "resources": job.resource_names,
         "waiting_on": job_waiting_on(job) if explain else None,
     }
 
@@ -129,7 +132,24 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "in_flight": fleet.in_flight,
             "batch_in_flight": fleet.batch_in_flight,
         },
+        "resources": resources_explain(policy),
     }
+
+
+def resources_explain(policy: PolicySnapshot) -> list[dict[str, Any]]:
+    """Each outside resource's configured and effective limit (tenants.resource_limits)."""
+    states = resource_limits_read(policy.resources[name] for name in sorted(policy.resources))
+    return [
+        {
+            "name": name,
+            "limit": state.configured,
+            "effective": state.limit,
+            "effective_exact": round(state.effective, 3),
+            "paused_until": datetime.fromtimestamp(state.paused_until_ms / 1000, tz=UTC) if state.paused else None,
+            "refusals": state.refusals,
+        }
+        for name, state in states.items()
+    ]
 
 
 def tenant_admin_live_state(tenant: Tenant) -> dict[str, Any]:

@@ -40,6 +40,8 @@ from webhooks.targets import TargetRefused, target_resolve
 
 SUB_TENANT_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces or control bytes
 IDEMPOTENCY_MAX = 200
+# A job's resources are keys of every admission it makes, beside its 2-3 own: a few at most.
+MAX_RESOURCES_PER_JOB = 4
 IDEMPOTENCY_RACE_RETRIES = 3
 
 log = logging.getLogger("fairqueue.jobs.submission")
@@ -55,6 +57,7 @@ class JobRequest:
     idempotency_key: str | None = None
     timeout_seconds: float | None = None  # may only lower the task's own limit
     callback_url: str | None = None
+    resources: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,9 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             )
     if req.callback_url is not None:
         _check_callback_url(tenant, req.callback_url, where)
+    resources = _resources(registered.resources, req.resources, policy=policy, where=where)
     engine_tag, names = (
-        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
+        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch, resources=resources)
         if tenant_policy is not None
         else ("", [])  # not synced yet: the first admission stores where it went
     )
@@ -137,6 +141,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         args=req.args,
         timeout_seconds=req.timeout_seconds,
         callback_url=req.callback_url or "",
+        resources=KEY_SEPARATOR.join(resources),
     )
 
 
@@ -154,6 +159,32 @@ def _check_callback_url(tenant: Tenant, url: str, where: str) -> None:
             "(Tenants, “Rotate webhook secret”).",
             f"{where}callback_url",
         )
+
+
+def _resources(declared: Sequence[str], named: Sequence[str], *, policy: PolicySnapshot, where: str) -> list[str]:
+    """The task's declared resources and those the request names, each configured by the
+    operator; sorted, without repeats."""
+    if isinstance(named, str) or not all(isinstance(r, str) for r in named):
+        raise JobError(400, "invalid_resources", "resources must be a list of resource names.", f"{where}resources")
+    unknown = sorted({r for r in named if r not in policy.resources})
+    if unknown:
+        known = ", ".join(sorted(policy.resources)) or "none is configured"
+        raise JobError(
+            400,
+            "unknown_resource",
+            f"Unknown resource {unknown[0]!r}; configured resources: {known}.",
+            f"{where}resources",
+        )
+    # A resource the task declares but the operator has not configured (yet) throttles nothing.
+    resources = sorted({*named, *(r for r in declared if r in policy.resources)})
+    if len(resources) > MAX_RESOURCES_PER_JOB:
+        raise JobError(
+            400,
+            "too_many_resources",
+            f"A job may call at most {MAX_RESOURCES_PER_JOB} resources, not {len(resources)}.",
+            f"{where}resources",
+        )
+    return resources
 
 
 def _offload_large_args(jobs: Sequence[Job]) -> None:

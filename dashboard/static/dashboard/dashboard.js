@@ -194,6 +194,25 @@
     body.replaceChildren.apply(body, rows);
   }
 
+  function renderResources(snap) {
+    var body = document.querySelector("#resources tbody");
+    var rows = (snap.resources || []).map(function (r) {
+      var tr = el("tr", { "data-resource": r.name, "class": r.effective < r.limit ? "pressured" : "" });
+      tr.appendChild(el("td", null, r.name));
+      tr.appendChild(el("td", { "class": "configured" }, r.limit));
+      var effective = r.paused_for_s !== null ? "0 (paused " + r.paused_for_s + " s)" : String(r.effective);
+      tr.appendChild(el("td", { "class": "effective" }, effective));
+      tr.appendChild(el("td", null, r.refusals));
+      return tr;
+    });
+    if (!rows.length) {
+      var none = el("tr", { "class": "none" });
+      none.appendChild(el("td", { colspan: "4" }, "None configured."));
+      rows = [none];
+    }
+    body.replaceChildren.apply(body, rows);
+  }
+
   function render(snap) {
     setText("generated-at", new Date(snap.generated_ts * 1000).toLocaleTimeString());
     renderPool(snap.pool);
@@ -202,6 +221,7 @@
     renderRed(snap);
     renderCapacity(snap);
     renderWorkers(snap);
+    renderResources(snap);
   }
 
   function setConnected(ok, text) {

@@ -19,6 +19,7 @@ class Command(BaseCommand):
         self.stdout.write(f"  tenants:         {result.tenants} (with {result.sub_tenants} sub-tenants)")
         self.stdout.write(f"  shards:          {result.shards}")
         self.stdout.write(f"  latency classes: {result.classes}")
+        self.stdout.write(f"  resources:       {result.resources}")
         self.stdout.write("  pool settings:   1")
         self.stdout.write(f"  stale keys removed first: {result.deleted_keys}")
         self.stdout.write(self.style.SUCCESS(f"Policy version {result.version}"))

@@ -1,5 +1,5 @@
 """``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
-``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``)."""
+``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fairqueue.bench import engine_bench, noisy, submit, throughput, whatif_bench
+from fairqueue.bench import backoff_bench, engine_bench, noisy, submit, throughput, whatif_bench
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -18,7 +18,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         subparsers = parser.add_subparsers(
-            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif}"
+            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff}"
         )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
@@ -43,6 +43,9 @@ class Command(BaseCommand):
         whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
         whatif.add_argument("--hours", type=float, default=None, help="simulated hours (default 24; 1 with --quick)")
         whatif.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
+        backoff_bench.add_arguments(
+            subparsers.add_parser("backoff", help="AIMD on a resource key against a fake upstream that answers 429")
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["bench"] == "engine":
@@ -65,8 +68,10 @@ class Command(BaseCommand):
             if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
                 raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
             result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
-        elif options["bench"] in ("noisy", "submit", "throughput"):
-            module = {"noisy": noisy, "submit": submit, "throughput": throughput}[options["bench"]]
+        elif options["bench"] in ("noisy", "submit", "throughput", "backoff"):
+            module = {"noisy": noisy, "submit": submit, "throughput": throughput, "backoff": backoff_bench}[
+                options["bench"]
+            ]
             try:
                 result = module.run_command(options, log=self.stdout.write)
             except RuntimeError as exc:
