@@ -1,5 +1,6 @@
 """The periodic duties of the fleet: reclaim expired holds, push limits, promote batch
-jobs before their objective, admit what never reached the engine, rebuild lost state.
+jobs before their objective, admit due delayed and retrying jobs, admit what never reached
+the engine, rebuild lost state.
 
 Every duty is atomic where it touches the engine and conditional where it touches the
 database, so running it from several processes at once is safe.
@@ -19,6 +20,7 @@ from fairqueue.jobs import live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
+from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.limits_plan import limits_plan
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
@@ -70,6 +72,7 @@ def scheduler_tick() -> None:
     duties: list[Callable[[], object]] = [
         state_ensure,
         track_moves,
+        jobs_promote_due,  # early: a due job should start within a second of its time
         lambda: sweep_once(old_tags),
         limits_refresh,
         batch_promote_due,

@@ -8,6 +8,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, PrivateAttr
 
+from fairqueue.jobs.retries import NO_RETRY, RetryPolicy
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -16,6 +18,7 @@ class RegisteredTask:
     name: str
     func: Callable[..., Any]
     args_model: type[BaseModel]
+    retry: RetryPolicy = NO_RETRY
 
 
 class HoldLost(Exception):
@@ -58,13 +61,14 @@ class JobContext(BaseModel):
 _REGISTRY: dict[str, RegisteredTask] = {}
 
 
-def fairqueue_task(name: str, *, args: type[BaseModel]) -> Callable[[F], F]:
-    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit."""
+def fairqueue_task(name: str, *, args: type[BaseModel], retry: RetryPolicy | None = None) -> Callable[[F], F]:
+    """Register `func(ctx, args_model_instance)` as the task `name` customers may submit.
+    `retry` is its retry policy (fairqueue.jobs.retries); without one a failure is final."""
 
     def register(func: F) -> F:
         if name in _REGISTRY and _REGISTRY[name].func is not func:
             raise ValueError(f"task {name!r} is already registered")
-        _REGISTRY[name] = RegisteredTask(name=name, func=func, args_model=args)
+        _REGISTRY[name] = RegisteredTask(name=name, func=func, args_model=args, retry=retry or NO_RETRY)
         return func
 
     return register

@@ -12,7 +12,7 @@ from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
-from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.models import DEFERRED_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.models import Tenant
 from tenants.policy import policy_snapshot
@@ -74,6 +74,10 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "sub_tenant": job.sub_tenant or None,
         "idempotency_key": job.idempotency_key,
         "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "attempt_history": job.attempt_history or [],
+        "run_at": job.run_at,
+        "next_attempt_at": job.due_at if job.status in DEFERRED_STATUSES else None,
         "submitted_at": job.submitted_at,
         "admitted_at": job.admitted_at,
         "started_at": job.started_at,

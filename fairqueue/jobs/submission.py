@@ -20,6 +20,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -29,6 +30,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs.admission import job_placement
+from fairqueue.jobs.delays import due_time, is_deferred
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
@@ -51,6 +53,11 @@ class JobRequest:
     priority: str | None = None
     batch: bool = False
     idempotency_key: str | None = None
+    # Delays and retries: an ISO-8601 time or seconds from now (fairqueue.jobs.delays), and
+    # a lower attempt budget than the task's retry policy (fairqueue.jobs.retries).
+    run_at: str | None = None
+    delay_seconds: float | None = None
+    max_attempts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class SubmitResult:
 # --- validation ------------------------------------------------------------------------
 
 
-def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str) -> Job:
+def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str, now: datetime) -> Job:
     """Validate one request completely and build its (unsaved) row; raises JobError."""
     registered = task_get(req.task)
     if registered is None:
@@ -99,6 +106,16 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"idempotency_key must be 1-{IDEMPOTENCY_MAX} characters.",
             f"{where}idempotency_key",
         )
+    allowed = registered.retry.max_attempts
+    max_attempts = allowed if req.max_attempts is None else req.max_attempts
+    if isinstance(max_attempts, bool) or not 1 <= max_attempts <= allowed:
+        raise JobError(
+            400,
+            "invalid_max_attempts",
+            f"max_attempts must be 1-{allowed}: a submit may lower the retry policy of {req.task}, never raise it.",
+            f"{where}max_attempts",
+        )
+    run_at, due_at = due_time(run_at=req.run_at, delay_seconds=req.delay_seconds, now=now, where=where)
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
         if tenant_policy is not None
@@ -116,6 +133,10 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         batch=req.batch,
         idempotency_key=req.idempotency_key,
         args=req.args,
+        run_at=run_at,
+        due_at=due_at,
+        max_attempts=max_attempts,
+        status=JobStatus.SCHEDULED if is_deferred(due_at, now) else JobStatus.QUEUED,
     )
 
 
@@ -160,18 +181,22 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             existing = {j.idempotency_key: j for j in Job.objects.filter(tenant=tenant, idempotency_key__in=keys)}  # type: ignore[misc]
         results: list[SubmitResult | None] = []
         fresh: list[Job] = []
+        now = timezone.now()
         for i, req in enumerate(reqs):
             if req.idempotency_key is not None and req.idempotency_key in existing:
                 results.append(SubmitResult(existing[req.idempotency_key], created=False))
                 continue
-            fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
+            fresh.append(
+                _prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}].", now=now)
+            )
             results.append(None)
         if not fresh:
             return [r for r in results if r is not None]
         _offload_large_args(fresh)
         accepted_at = timezone.now()
         for job in fresh:
-            job.admitted_at = accepted_at  # see the module docstring
+            if job.status == JobStatus.QUEUED:
+                job.admitted_at = accepted_at  # see the module docstring
         try:
             _insert(fresh)
         except IntegrityError as exc:
@@ -215,12 +240,19 @@ def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) ->
 
 def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot) -> None:
     """Best-effort work after the rows are committed: signals, counters, admission.
-    Nothing here may turn an accepted submit into an error."""
+    Nothing here may turn an accepted submit into an error. A scheduled job is neither
+    admitted nor counted in the tenant's arrival rate here: it arrives when it is due
+    (fairqueue.jobs.due)."""
+    due_now = [j for j in jobs if j.status == JobStatus.QUEUED]
     try:
-        live.record_submissions(tenant_slug=tenant.slug, count=len(jobs))
         stats.count("submitted", len(jobs))
+        if due_now:
+            live.record_submissions(tenant_slug=tenant.slug, count=len(due_now))
     except Exception:
         log.exception("could not count %d submission(s)", len(jobs))
+    if not due_now:
+        return
+    jobs = due_now
     try:
         jobs_admit(jobs, policy=policy, strict=True, fresh=True)
     except redis.RedisError:
