@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from datetime import datetime
 from typing import Any
 
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs import live, stats
@@ -46,15 +47,19 @@ def jobs_promote_due(
             return total
 
 
-def _promote_batch(*, batch: int, now: datetime) -> tuple[int, int]:
-    """Promote the next `batch` due rows; returns (rows read, rows promoted)."""
-    due = list(
-        Job.objects.select_related("tenant__shard")
+def due_rows(now: datetime) -> QuerySet[Job]:
+    """Deferred jobs due by `now`, earliest first: a range of the (status, due_at) index."""
+    return (
+        Job.objects
         # A retrying job whose last release has not reached the engine waits for the
         # reconciler: its next admission must not share an engine id with that release.
-        .filter(status__in=sorted(DEFERRED_STATUSES), due_at__lte=now, release_pending=False)
-        .order_by("due_at", "id")[:batch]
+        .filter(status__in=sorted(DEFERRED_STATUSES), due_at__lte=now, release_pending=False).order_by("due_at", "id")
     )
+
+
+def _promote_batch(*, batch: int, now: datetime) -> tuple[int, int]:
+    """Promote the next `batch` due rows; returns (rows read, rows promoted)."""
+    due = list(due_rows(now).select_related("tenant__shard")[:batch])
     if not due:
         return 0, 0
     policy = policy_snapshot()
