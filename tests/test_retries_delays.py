@@ -15,6 +15,7 @@ from django.db import connection
 from django.test import SimpleTestCase
 from django.urls import reverse
 
+from dashboard.snapshot import snapshot_build
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.due import due_rows, jobs_promote_due
 from fairqueue.jobs.execution import job_execute
@@ -169,6 +170,20 @@ class DuePromotionTests(ApiTestCase):
         self.assertEqual(jobs_promote_due(now=base + timedelta(seconds=1)), 3)
         positions = [self.job(i, key=key)["waiting_on"]["position"] for i in [waiting["id"], *reversed(delayed)]]
         self.assertEqual(positions, [1, 2, 3, 4])
+
+    def test_a_delayed_job_waits_on_the_dashboard_from_its_due_time_not_its_submission(self) -> None:
+        _, key = self.tenant_with("late", max_concurrency=1)
+        self.submit({"task": "demo.sleep", "args": {"seconds": 0}}, key=key)  # holds the only slot
+        job = self.submit({"task": "demo.sleep", "args": {"seconds": 0}, "delay_seconds": 60}, key=key)
+        # Submitted two hours ago for a time that came a second ago.
+        now = datetime.now(UTC)
+        Job.objects.filter(id=job["id"]).update(
+            submitted_at=now - timedelta(hours=2), due_at=now - timedelta(seconds=1)
+        )
+        self.assertEqual(jobs_promote_due(), 1)
+        self.assertEqual(self.job(job["id"], key=key)["status"], "parked")
+        late = next(t for t in snapshot_build(with_history=False)["tenants"] if t["slug"] == "late")
+        self.assertLess(late["oldest_wait_s"], 600)
 
     def test_cancelling_a_delayed_job(self) -> None:
         job = self.submit({"task": "demo.sleep", "args": {"seconds": 0}, "delay_seconds": 60})

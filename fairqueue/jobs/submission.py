@@ -116,6 +116,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
             f"{where}max_attempts",
         )
     run_at, due_at = due_time(run_at=req.run_at, delay_seconds=req.delay_seconds, now=now, where=where)
+    deferred = is_deferred(due_at, now)
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch)
         if tenant_policy is not None
@@ -134,9 +135,10 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         idempotency_key=req.idempotency_key,
         args=req.args,
         run_at=run_at,
-        due_at=due_at,
+        # Only a job due later has a due time; one asked for a past time is due at submit.
+        due_at=due_at if deferred else None,
         max_attempts=max_attempts,
-        status=JobStatus.SCHEDULED if is_deferred(due_at, now) else JobStatus.QUEUED,
+        status=JobStatus.SCHEDULED if deferred else JobStatus.QUEUED,
     )
 
 
