@@ -22,6 +22,7 @@ from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.retries import RetryPolicy
 from fairqueue.jobs.runtime import engine
+from fairqueue.jobs.stats import stats_read
 from tests import lifecycle_tasks
 from tests.factories import make_tenant
 from tests.lifecycle_tasks import FLAKY_POLICY, TransientError
@@ -323,6 +324,8 @@ class DelayEndToEndTests(E2EBase):
             by_delay = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0}, "delay_seconds": 2})
             self.assertEqual((by_time["status"], by_delay["status"]), ("scheduled", "scheduled"))
             jobs = self.wait_all_finished([by_time["id"], by_delay["id"]], timeout=60)
+            # Each promotion observes how late it was (/metrics), folded into Redis within a heartbeat.
+            wait_for(lambda: stats_read().get("due_lateness:count") == 2.0, message="the lateness histogram")
         for job in jobs:
             self.assertEqual(job.status, JobStatus.SUCCEEDED)
             self.assertGreaterEqual(job.started_at, job.run_at)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.jobs import live
@@ -99,8 +100,11 @@ def batch_promote_due(*, limit: int = 200) -> int:
     cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
-        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED, submitted_at__lte=cutoff)
-        .order_by("submitted_at")[:limit]
+        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)
+        # A delayed or retried job has waited since it became due, not since its submit.
+        .alias(waiting_since=Coalesce("due_at", "submitted_at"))
+        .filter(waiting_since__lte=cutoff)
+        .order_by("waiting_since")[:limit]
     )
     promoted = [job for job in due if batch_promote(job, policy=policy)]
     jobs_admit(promoted, policy=policy)

@@ -11,6 +11,10 @@ needs no second write: only a parked job is updated (to `parked`). If the admiss
 not happen, `admitted_at` is cleared again so the pending sweep admits the job; if this
 process dies in between, the reconciler finds a `queued` row marked admitted that the
 engine does not know and re-enters it (fairqueue.jobs.recovery).
+
+A job asked to start later (`run_at` / `delay_seconds`, fairqueue.jobs.delays) is written
+`scheduled` with no admission; the due promotion admits it when its time comes
+(fairqueue.jobs.due).
 """
 
 from __future__ import annotations
