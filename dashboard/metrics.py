@@ -155,6 +155,12 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         ),
         _histogram("fairqueue_admit_latency_seconds", "Engine admit call latency.", cells, "admit"),
         _histogram("fairqueue_release_latency_seconds", "Engine release call latency.", cells, "release"),
+        _histogram(
+            "fairqueue_due_lateness_seconds",
+            "How long after its due time a delayed or retrying job entered admission.",
+            cells,
+            "due_lateness",
+        ),
         CounterMetricFamily("fairqueue_jobs_submitted", "Jobs accepted.", value=cells.get("submitted", 0.0)),
         CounterMetricFamily(
             "fairqueue_jobs_handed_back",

@@ -4,7 +4,8 @@
 costs one database query and two Redis round trips, whatever the number of tenants:
 
 - the database (one aggregate query): jobs not yet started (`queued` or `parked`) per
-  tenant, shard, class and status, with the oldest `submitted_at`. The database is the
+  tenant, shard, class and status, with the oldest time each became due (`submitted_at`,
+  or `due_at` for a delayed or retried job: its wait starts when it is due). The database is the
   truth about which jobs exist and when they were submitted; Redis only holds scheduling
   state, and a job parked behind its shard's key rather than its tenant's key is not
   visible per tenant in the engine at all. Jobs in the batch lane (batch, not promoted)
@@ -48,6 +49,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db.models import BooleanField, Case, Count, Min, Q, Value, When
+from django.db.models.functions import Coalesce
 
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import live
@@ -89,7 +91,7 @@ def _waiting_rows() -> list[dict[str, Any]]:
         Job.objects.filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])
         .annotate(lane=in_batch_lane)
         .values("tenant__slug", "tenant__shard__name", "latency_class", "status", "lane")
-        .annotate(n=Count("id"), oldest=Min("submitted_at"))
+        .annotate(n=Count("id"), oldest=Min(Coalesce("due_at", "submitted_at")))
         .order_by()
     )
 

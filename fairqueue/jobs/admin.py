@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.contrib import admin, messages
 from django.db.models import F, QuerySet
 from django.http import HttpRequest
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
 
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.eta import job_eta
@@ -34,7 +36,7 @@ class JobAdmin(admin.ModelAdmin):
     search_fields = ("id", "idempotency_key", "sub_tenant", "task")
     date_hierarchy = "submitted_at"
     list_select_related = ("tenant",)
-    readonly_fields = [f.name for f in Job._meta.fields] + ["place_in_line"]
+    readonly_fields = [f.name for f in Job._meta.fields] + ["place_in_line", "attempts_table"]
     actions = ["retry_jobs"]
     inlines = [WebhookDeliveryInline]
     show_full_result_count = False
@@ -53,6 +55,33 @@ class JobAdmin(admin.ModelAdmin):
             f"starts in about {seconds_text(eta.eta_seconds)}"
         )
 
+    @admin.display(description="attempts, one by one")
+    def attempts_table(self, job: Job) -> SafeString | str:
+        """Each attempt's time, duration, worker and error (attempt_history), newest last."""
+        history = job.attempt_history or []
+        if not history:
+            return "-"
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>{} s</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            (
+                (
+                    a.get("attempt"),
+                    a.get("started_at"),
+                    a.get("duration_s"),
+                    a.get("worker"),
+                    a.get("status"),
+                    a.get("error") or "",
+                    a.get("retry_at") or "",
+                )
+                for a in history
+            ),
+        )
+        head = "".join(
+            f"<th>{title}</th>" for title in ("#", "started", "took", "worker", "outcome", "error", "retry at")
+        )
+        return format_html('<table class="attempts"><tr>{}</tr>{}</table>', SafeString(head), rows)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs enter through the API, where they are validated and admitted
 
@@ -63,6 +92,7 @@ class JobAdmin(admin.ModelAdmin):
             status=JobStatus.QUEUED,
             generation=F("generation") + 1,
             worker_losses=0,
+            attempt_failures=0,  # a fresh attempt budget; attempt_history keeps the past ones
             error="",
             error_reason="",
             admitted_at=None,

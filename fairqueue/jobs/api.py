@@ -21,8 +21,10 @@ from pydantic import ConfigDict
 
 from fairqueue.jobs import selectors
 from fairqueue.jobs.cancellation import job_cancel
+from fairqueue.jobs.delays import MAX_DELAY
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.retries import MAX_ATTEMPTS_LIMIT
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant
@@ -211,6 +213,29 @@ class JobIn(Schema):
         max_length=MAX_RESOURCES_PER_JOB,
         description="Outside resources the job calls (names configured by the operator): each throttles it.",
     )
+    run_at: str | None = Field(
+        None,
+        max_length=64,
+        description="Start no earlier than this ISO-8601 time with a UTC offset (e.g. 2030-01-31T09:00:00Z); "
+        f"a time past means now; at most {MAX_DELAY.days} days ahead. The job waits `scheduled`, holding "
+        "no slot, until then. Not with delay_seconds.",
+        json_schema_extra={"format": "date-time"},
+    )
+    delay_seconds: float | None = Field(
+        None,
+        strict=True,
+        ge=0,
+        le=MAX_DELAY.total_seconds(),
+        description="Start no earlier than this many seconds from now (see run_at). Not with run_at.",
+    )
+    max_attempts: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        le=MAX_ATTEMPTS_LIMIT,
+        description="Lower the task's retry policy to this many attempts in all (1: no retry); "
+        "above the task's own max_attempts is refused.",
+    )
 
     def to_request(self) -> JobRequest:
         return JobRequest(
@@ -223,6 +248,9 @@ class JobIn(Schema):
             timeout_seconds=self.timeout_seconds,
             callback_url=self.callback_url,
             resources=tuple(self.resources),
+            run_at=self.run_at,
+            delay_seconds=self.delay_seconds,
+            max_attempts=self.max_attempts,
         )
 
 
@@ -239,16 +267,40 @@ class WaitingOn(Schema):
     position: int | None
 
 
+class AttemptOut(Schema):
+    attempt: int = Field(..., description="The job's attempts count when this attempt started (1 for the first).")
+    worker: str
+    started_at: datetime
+    finished_at: datetime
+    duration_s: float
+    status: Literal["succeeded", "failed"]
+    error: str | None = Field(None, description="`Type: message` of the error the attempt raised.")
+    error_reason: str | None = None
+    retry_at: datetime | None = Field(None, description="When the next attempt was scheduled, if it was retried.")
+
+
 class JobOut(Schema):
     id: uuid.UUID
-    status: str
+    status: str = Field(
+        ...,
+        description="scheduled (delayed until run_at), queued, parked, running, retrying (an attempt failed; "
+        "the next enters admission at next_attempt_at), succeeded, failed, cancelled.",
+    )
     task: str
     priority: str
     batch: bool
     sub_tenant: str | None
     idempotency_key: str | None
     callback_url: str | None = None
-    attempts: int
+    attempts: int = Field(..., description="Times a worker started this job (worker deaths included).")
+    max_attempts: int = Field(..., description="Attempts its retry policy allows (worker deaths do not count).")
+    attempt_history: list[AttemptOut] = Field(
+        default_factory=list, description="Each attempt that ran to an end: when, how long, and its error."
+    )
+    run_at: datetime | None = Field(None, description="The start time the submit asked for, if delayed.")
+    next_attempt_at: datetime | None = Field(
+        None, description="While scheduled or retrying: when it enters admission (waits its turn from then)."
+    )
     submitted_at: datetime
     admitted_at: datetime | None
     started_at: datetime | None
@@ -384,7 +436,8 @@ def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> tuple[int, list[d
 @api.get("/jobs", response={200: JobListOut, **_errors(400, 401, 403)})
 def list_jobs(
     request: HttpRequest,
-    status: Literal["queued", "parked", "running", "succeeded", "failed", "cancelled"] | None = None,
+    status: Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
+    | None = None,
     limit: int = Query(50, ge=1, le=500),
     offset: int = Query(0, ge=0, le=10_000_000),
 ) -> dict[str, Any]:

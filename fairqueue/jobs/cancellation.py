@@ -1,4 +1,5 @@
-"""Cancelling a job that has not started: a conditional update, then its slot is given back."""
+"""Cancelling a job that has not started (or waits to be retried): a conditional update,
+then its slot, if it holds or waits for one, is given back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from django.utils import timezone
 from fairqueue.jobs import stats
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
-from fairqueue.jobs.models import TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
+from fairqueue.jobs.models import DEFERRED_STATUSES, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.cancellation")
@@ -18,7 +19,9 @@ CANCEL_ATTEMPTS = 3
 
 
 def job_cancel(*, job: Job) -> Job:
-    """Cancel a job that has not started. A parked job gives up its place at once.
+    """Cancel a job that has not started. A parked job gives up its place at once; a
+    scheduled or retrying one (fairqueue.jobs.due) is in neither the engine nor the broker,
+    so the row is all there is to change.
 
     The database decides: the cancel is a compare-and-set on (id, generation, waiting
     status), and a delivery's claim is one on the same row, so exactly one of them wins.
@@ -30,9 +33,13 @@ def job_cancel(*, job: Job) -> Job:
             raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
         if job.status == JobStatus.RUNNING:
             raise JobError(409, "not_cancellable", "Job is already running.", None)
+        was = job.status
+        # A deferred job is cancelled only while still deferred: promoted meanwhile (a
+        # scheduled job keeps its generation), it may hold slots the release must free.
+        statuses = [was] if was in DEFERRED_STATUSES else sorted(WAITING_STATUSES)
         updated = job_finish(
             job,
-            where={"id": job.id, "generation": job.generation, "status__in": sorted(WAITING_STATUSES)},
+            where={"id": job.id, "generation": job.generation, "status__in": statuses},
             fields={"status": JobStatus.CANCELLED, "finished_at": timezone.now()},
         )
         job.refresh_from_db()
@@ -42,5 +49,7 @@ def job_cancel(*, job: Job) -> Job:
     else:
         raise JobError(409, "not_cancellable", "The job keeps changing; retry the cancel.", None)
     stats.count("finished:cancelled")
-    job_release_or_defer(job)
+    if was not in DEFERRED_STATUSES:
+        # A deferred job holds nothing: its last attempt's release happened when it failed.
+        job_release_or_defer(job)
     return job

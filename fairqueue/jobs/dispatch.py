@@ -62,7 +62,8 @@ def jobs_admit(
     `strict=True` lets a Redis error through instead (the rebuild must know it failed).
 
     `fresh=True`: the rows were just written `queued` with `admitted_at` set by the caller
-    (the submit path, fairqueue.jobs.submission), which is what an admission records, so
+    (the submit path, fairqueue.jobs.submission; the due promotion, fairqueue.jobs.due),
+    which is what an admission records, so
     an admitted job costs no write; only parked or unready ones are updated.
     """
     if not jobs:

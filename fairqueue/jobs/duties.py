@@ -1,5 +1,6 @@
 """The periodic duties of the fleet: reclaim expired holds, push limits, promote batch
-jobs before their objective, admit what never reached the engine, rebuild lost state.
+jobs before their objective, admit due delayed and retrying jobs, admit what never reached
+the engine, rebuild lost state.
 
 Every duty is atomic where it touches the engine and conditional where it touches the
 database, so running it from several processes at once is safe.
@@ -13,12 +14,14 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
+from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.limits_plan import limits_plan
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
@@ -72,6 +75,7 @@ def scheduler_tick() -> None:
     duties: list[Callable[[], object]] = [
         state_ensure,
         track_moves,
+        jobs_promote_due,  # early: a due job should start within a second of its time
         lambda: sweep_once(old_tags),
         limits_refresh,
         resource_limits_refresh,
@@ -100,8 +104,11 @@ def batch_promote_due(*, limit: int = 200) -> int:
     cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
-        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED, submitted_at__lte=cutoff)
-        .order_by("submitted_at")[:limit]
+        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)
+        # A delayed or retried job has waited since it became due, not since its submit.
+        .alias(waiting_since=Coalesce("due_at", "submitted_at"))
+        .filter(waiting_since__lte=cutoff)
+        .order_by("waiting_since")[:limit]
     )
     promoted = [job for job in due if batch_promote(job, policy=policy)]
     jobs_admit(promoted, policy=policy)

@@ -34,6 +34,7 @@ from fairqueue.jobs.isolation import isolated_run
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
+from fairqueue.jobs.retries import NO_RETRY, attempt_end_fields
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout, failure_reason
 from webhooks.outbox import job_finish
@@ -130,10 +131,15 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
     outcome = "succeeded"
     fields: dict[str, Any] = {}
+    retry_policy = NO_RETRY
+    in_task = False  # only an error the task itself raised is retried (fairqueue.jobs.retries)
+    task_error: BaseException | None = None
+    summary = ""
     try:
         registered = task_get(job.task)
         if registered is None:
             raise LookupError(f"task {job.task!r} is not registered on this worker")
+        retry_policy = registered.retry
         raw_args = payloads.payload_get(job.args_ref) if job.args_ref else job.args
         args = registered.args_model.model_validate(raw_args)
         ctx = JobContext(
@@ -144,18 +150,22 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
             timeout_seconds=effective_timeout(registered.timeout_seconds, job.timeout_seconds),
         )
         ctx.bind_hold(lambda: active_leases.hold_lost(job.engine_id))
+        in_task = True
         if registered.isolated:  # in a child process, killed at its limits (fairqueue.jobs.isolation)
             value = isolated_run(
                 task=registered.name, raw_args=raw_args, ctx=ctx, memory_limit_mb=registered.memory_limit_mb
             )
         else:  # in this thread: past its timeout, ctx.check_deadline() stops it
             value = registered.func(ctx.start_clock(), args)
+        in_task = False
         encoded = payloads.payload_encode(value)
         if len(encoded) > payloads.payload_threshold():
             fields.update(result=None, result_ref=payloads.payload_put(data=encoded, kind="results"))
         else:
             fields.update(result=json.loads(encoded))
         fields["status"] = JobStatus.SUCCEEDED
+        if job.attempt_failures:  # an earlier attempt's error stays in attempt_history only
+            fields.update(error="", error_reason="")
     except HoldLost:
         # Fenced: another delivery may own the job now. Record and release nothing: the
         # engine reclaims the hold when its lease ends and the job is delivered again
@@ -168,6 +178,8 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     except Exception as exc:
         outcome = "failed"
         reason = failure_reason(exc)  # "timeout", "memory_limit", "crashed" or "exception"
+        task_error = exc if in_task else None
+        summary = f"{type(exc).__name__}: {exc}"
         fields.update(
             status=JobStatus.FAILED,
             error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"[:10_000],
@@ -178,10 +190,25 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         lost = active_leases.remove(job.engine_id)
     finished = timezone.now()
     fields["finished_at"] = finished
+    fields.update(
+        attempt_end_fields(
+            job=job,
+            policy=retry_policy,
+            worker=worker,
+            started=now,
+            finished=finished,
+            failed=outcome == "failed",
+            task_error=task_error,
+            error=summary,
+            error_reason=fields.get("error_reason", ""),
+        )
+    )
+    if fields["status"] == JobStatus.RETRYING:
+        outcome = "retrying"
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):
-        stats.count(f"finished:{fields['status']}")
+        stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
         if job.resources and fields["status"] == JobStatus.SUCCEEDED:
             job_resources_succeeded(job)
     kept = job_release_keeping(job, keep)

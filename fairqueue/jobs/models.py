@@ -8,6 +8,10 @@ from django.db import models
 
 
 class JobStatus(models.TextChoices):
+    # Waiting for its time (`due_at`), outside the engine and the broker: a delayed job
+    # (`run_at` / `delay_seconds`) or one whose attempt failed and will be retried.
+    SCHEDULED = "scheduled", "Scheduled"
+    RETRYING = "retrying", "Retrying"
     QUEUED = "queued", "Queued"  # accepted; admitted and waiting for a worker, or not yet admitted
     PARKED = "parked", "Parked"  # waiting for a slot on one of its throttle keys
     RUNNING = "running", "Running"
@@ -19,6 +23,8 @@ class JobStatus(models.TextChoices):
 TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 WAITING_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED})
 UNFINISHED_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED, JobStatus.RUNNING})
+# Not finished, and neither in the engine nor in the broker: promoted when due (fairqueue.jobs.due).
+DEFERRED_STATUSES = frozenset({JobStatus.SCHEDULED, JobStatus.RETRYING})
 # Key names never contain a space (sub-tenant ids are printable ASCII without spaces).
 KEY_SEPARATOR = " "
 
@@ -72,6 +78,22 @@ class Job(models.Model):
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )
+    # Delays and retries (fairqueue.jobs.delays, fairqueue.jobs.retries, fairqueue.jobs.due).
+    run_at = models.DateTimeField(null=True, blank=True, help_text="When the submitter asked it to start, if delayed.")
+    due_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When it last became (or, scheduled or retrying, becomes) due to enter admission.",
+    )
+    max_attempts = models.PositiveSmallIntegerField(
+        default=1, help_text="Attempts allowed: the task's retry policy, or lower if the submit asked."
+    )
+    attempt_failures = models.PositiveSmallIntegerField(
+        default=0, help_text="Attempts that ended in an error, counted against max_attempts (worker deaths are not)."
+    )
+    attempt_history = models.JSONField(
+        default=list, blank=True, help_text="Each finished attempt: when, how long, and its error if it failed."
+    )
 
     class Meta:
         ordering = ["-submitted_at"]
@@ -89,6 +111,8 @@ class Job(models.Model):
             models.Index(
                 fields=["release_pending"], condition=models.Q(release_pending=True), name="job_release_pending"
             ),
+            # The due promotion reads only the due rows of the deferred statuses, in due order.
+            models.Index(fields=["status", "due_at"], name="job_status_due"),
         ]
 
     def __str__(self) -> str:

@@ -41,6 +41,7 @@ from datetime import timedelta
 
 import redis
 from django.db.models import Q, QuerySet
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import TagHealth
@@ -181,9 +182,11 @@ def writes_lost(*, tag: str, shard: str) -> dict[str, int]:
 
 
 def _chunks(qs: QuerySet[Job]) -> Iterator[list[Job]]:
-    """Rows in submission order, read from the database a chunk at a time."""
+    """Rows in the order they entered admission (submission, or the due time of a delayed or
+    retried job), read from the database a chunk at a time."""
     chunk: list[Job] = []
-    for job in qs.select_related("tenant__shard").order_by("submitted_at", "id").iterator(chunk_size=CHUNK):
+    entered = Coalesce("due_at", "submitted_at")
+    for job in qs.select_related("tenant__shard").order_by(entered, "id").iterator(chunk_size=CHUNK):
         chunk.append(job)
         if len(chunk) == CHUNK:
             yield chunk

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, PrivateAttr
 
+from fairqueue.jobs.retries import NO_RETRY, RetryPolicy
 from fairqueue.jobs.task_limits import TaskTimeout, valid_limit
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -27,6 +28,7 @@ class RegisteredTask:
     # Outside resources every job of this task calls (tenants.models.Resource names): each
     # is a throttle key of its admissions, besides those a submit names.
     resources: tuple[str, ...] = ()
+    retry: RetryPolicy = NO_RETRY
 
 
 class HoldLost(Exception):
@@ -100,6 +102,7 @@ def fairqueue_task(
     timeout_seconds: float | None = None,
     memory_limit_mb: float | None = None,
     resources: Sequence[str] = (),
+    retry: RetryPolicy | None = None,
 ) -> Callable[[F], F]:
     """Register `func(ctx, args_model_instance)` as the task `name` customers may submit.
 
@@ -107,7 +110,8 @@ def fairqueue_task(
     since the child imports it by name), which is killed past `timeout_seconds` or when
     it grows by more than `memory_limit_mb`; a task that is not isolated checks its
     timeout itself (JobContext.check_deadline). `resources` names the outside resources
-    each of its jobs calls (docs/resources.md).
+    each of its jobs calls (docs/resources.md). `retry` is its retry policy
+    (fairqueue.jobs.retries); without one a failure is final.
     """
     if not valid_limit(timeout_seconds) or not valid_limit(memory_limit_mb):
         raise ValueError(f"task {name!r}: timeout_seconds and memory_limit_mb must be positive numbers")
@@ -125,6 +129,7 @@ def fairqueue_task(
             timeout_seconds=timeout_seconds,
             memory_limit_mb=memory_limit_mb,
             resources=tuple(resources),
+            retry=retry or NO_RETRY,
         )
         return func
 

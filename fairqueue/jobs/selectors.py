@@ -13,7 +13,7 @@ from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
-from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.models import DEFERRED_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
@@ -85,6 +85,10 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "idempotency_key": job.idempotency_key,
         "callback_url": job.callback_url or None,
         "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "attempt_history": job.attempt_history or [],
+        "run_at": job.run_at,
+        "next_attempt_at": job.due_at if job.status in DEFERRED_STATUSES else None,
         "submitted_at": job.submitted_at,
         "admitted_at": job.admitted_at,
         "started_at": job.started_at,

@@ -15,7 +15,7 @@ from django.db import transaction
 from django.db.models.signals import post_save, pre_save
 from django.dispatch import receiver
 
-from fairqueue.jobs.models import UNFINISHED_STATUSES, Job
+from fairqueue.jobs.models import DEFERRED_STATUSES, UNFINISHED_STATUSES, Job
 from fairqueue.jobs.moves import shard_renamed, tenant_moved
 from tenants.models import LatencyClass, Shard, Tenant
 
@@ -59,7 +59,7 @@ def _class_pre_save(sender: type[LatencyClass], instance: LatencyClass, **kwargs
         return
     # Unfinished jobs follow their class's new name (their deliveries' priority is unchanged).
     rename = functools.partial(
-        Job.objects.filter(latency_class=old_name, status__in=sorted(UNFINISHED_STATUSES)).update,
+        Job.objects.filter(latency_class=old_name, status__in=sorted(UNFINISHED_STATUSES | DEFERRED_STATUSES)).update,
         latency_class=instance.name,
     )
     _after_commit(instance, rename)

@@ -11,6 +11,10 @@ needs no second write: only a parked job is updated (to `parked`). If the admiss
 not happen, `admitted_at` is cleared again so the pending sweep admits the job; if this
 process dies in between, the reconciler finds a `queued` row marked admitted that the
 engine does not know and re-enters it (fairqueue.jobs.recovery).
+
+A job asked to start later (`run_at` / `delay_seconds`, fairqueue.jobs.delays) is written
+`scheduled` with no admission; the due promotion admits it when its time comes
+(fairqueue.jobs.due).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -29,6 +34,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs.admission import job_placement
+from fairqueue.jobs.delays import due_time, is_deferred
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
@@ -58,6 +64,11 @@ class JobRequest:
     timeout_seconds: float | None = None  # may only lower the task's own limit
     callback_url: str | None = None
     resources: Sequence[str] = ()
+    # Delays and retries: an ISO-8601 time or seconds from now (fairqueue.jobs.delays), and
+    # a lower attempt budget than the task's retry policy (fairqueue.jobs.retries).
+    run_at: str | None = None
+    delay_seconds: float | None = None
+    max_attempts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class SubmitResult:
 # --- validation ------------------------------------------------------------------------
 
 
-def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str) -> Job:
+def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str, now: datetime) -> Job:
     """Validate one request completely and build its (unsaved) row; raises JobError."""
     registered = task_get(req.task)
     if registered is None:
@@ -122,6 +133,17 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
     if req.callback_url is not None:
         _check_callback_url(tenant, req.callback_url, where)
     resources = _resources(registered.resources, req.resources, policy=policy, where=where)
+    allowed = registered.retry.max_attempts
+    max_attempts = allowed if req.max_attempts is None else req.max_attempts
+    if isinstance(max_attempts, bool) or not 1 <= max_attempts <= allowed:
+        raise JobError(
+            400,
+            "invalid_max_attempts",
+            f"max_attempts must be 1-{allowed}: a submit may lower the retry policy of {req.task}, never raise it.",
+            f"{where}max_attempts",
+        )
+    run_at, due_at = due_time(run_at=req.run_at, delay_seconds=req.delay_seconds, now=now, where=where)
+    deferred = is_deferred(due_at, now)
     engine_tag, names = (
         job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch, resources=resources)
         if tenant_policy is not None
@@ -142,6 +164,11 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         timeout_seconds=req.timeout_seconds,
         callback_url=req.callback_url or "",
         resources=KEY_SEPARATOR.join(resources),
+        run_at=run_at,
+        # Only a job due later has a due time; one asked for a past time is due at submit.
+        due_at=due_at if deferred else None,
+        max_attempts=max_attempts,
+        status=JobStatus.SCHEDULED if deferred else JobStatus.QUEUED,
     )
 
 
@@ -228,18 +255,22 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             existing = {j.idempotency_key: j for j in Job.objects.filter(tenant=tenant, idempotency_key__in=keys)}  # type: ignore[misc]
         results: list[SubmitResult | None] = []
         fresh: list[Job] = []
+        now = timezone.now()
         for i, req in enumerate(reqs):
             if req.idempotency_key is not None and req.idempotency_key in existing:
                 results.append(SubmitResult(existing[req.idempotency_key], created=False))
                 continue
-            fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}]."))
+            fresh.append(
+                _prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}].", now=now)
+            )
             results.append(None)
         if not fresh:
             return [r for r in results if r is not None]
         _offload_large_args(fresh)
         accepted_at = timezone.now()
         for job in fresh:
-            job.admitted_at = accepted_at  # see the module docstring
+            if job.status == JobStatus.QUEUED:
+                job.admitted_at = accepted_at  # see the module docstring
         try:
             _insert(fresh)
         except IntegrityError as exc:
@@ -283,12 +314,19 @@ def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) ->
 
 def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot) -> None:
     """Best-effort work after the rows are committed: signals, counters, admission.
-    Nothing here may turn an accepted submit into an error."""
+    Nothing here may turn an accepted submit into an error. A scheduled job is neither
+    admitted nor counted in the tenant's arrival rate here: it arrives when it is due
+    (fairqueue.jobs.due)."""
+    due_now = [j for j in jobs if j.status == JobStatus.QUEUED]
     try:
-        live.record_submissions(tenant_slug=tenant.slug, count=len(jobs))
         stats.count("submitted", len(jobs))
+        if due_now:
+            live.record_submissions(tenant_slug=tenant.slug, count=len(due_now))
     except Exception:
         log.exception("could not count %d submission(s)", len(jobs))
+    if not due_now:
+        return
+    jobs = due_now
     try:
         jobs_admit(jobs, policy=policy, strict=True, fresh=True)
     except redis.RedisError:

@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0003_job_status_finished_index"),
+        ("jobs", "0005_job_retries_and_delay"),
     ]
 
     operations = [
