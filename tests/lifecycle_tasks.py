@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from fairqueue.jobs.registry import JobContext, fairqueue_task
-from fairqueue.jobs.retries import RetryPolicy
+from fairqueue.jobs.retry_policy import RetryPolicy
 
 
 class TransientError(Exception):

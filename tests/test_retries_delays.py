@@ -20,7 +20,7 @@ from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.due import due_rows, jobs_promote_due
 from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
-from fairqueue.jobs.retries import RetryPolicy
+from fairqueue.jobs.retry_policy import RetryPolicy
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.stats import stats_read
 from tests import lifecycle_tasks

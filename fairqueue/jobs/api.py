@@ -24,7 +24,7 @@ from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.delays import MAX_DELAY
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
-from fairqueue.jobs.retries import MAX_ATTEMPTS_LIMIT
+from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached
 from tenants.models import Tenant

@@ -34,7 +34,8 @@ from fairqueue.jobs.isolation import isolated_run
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
-from fairqueue.jobs.retries import NO_RETRY, attempt_end_fields
+from fairqueue.jobs.retries import attempt_end_fields
+from fairqueue.jobs.retry_policy import NO_RETRY
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout, failure_reason
 from webhooks.outbox import job_finish

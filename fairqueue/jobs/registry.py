@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, PrivateAttr
 
-from fairqueue.jobs.retries import NO_RETRY, RetryPolicy
+from fairqueue.jobs.retry_policy import NO_RETRY, RetryPolicy
 from fairqueue.jobs.task_limits import TaskTimeout, valid_limit
 
 F = TypeVar("F", bound=Callable[..., Any])

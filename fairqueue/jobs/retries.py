@@ -1,6 +1,6 @@
 """Retry policies: which errors a task retries, how many attempts it gets, how long it waits.
 
-A task declares its policy when registered (`@fairqueue_task(..., retry=RetryPolicy(...))`).
+A task declares its policy when registered (fairqueue.jobs.retry_policy).
 A failed attempt whose error is one the policy retries, with attempts left, puts the job in
 `retrying` until `due_at`; the due promotion (fairqueue.jobs.due) then admits it again
 through the throttle like any new job. The wait is exponential with a cap and full jitter
@@ -13,51 +13,13 @@ apart (`worker_losses`, the poison-pill limit) and costs no attempt.
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.retry_policy import RetryPolicy
 
-MAX_ATTEMPTS_LIMIT = 100  # attempt_history keeps one entry per attempt: bounded
 ATTEMPT_ERROR_CHARS = 2000
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """`max_attempts` counts every attempt, the first included (1: never retried). The wait
-    before attempt n+1 is uniform in [0, min(backoff_cap_s, backoff_base_s * 2**(n-1))]."""
-
-    max_attempts: int = 3
-    backoff_base_s: float = 1.0
-    backoff_cap_s: float = 300.0
-    retry_on: tuple[type[BaseException], ...] = field(default=(Exception,))
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_attempts <= MAX_ATTEMPTS_LIMIT:
-            raise ValueError(f"max_attempts must be 1-{MAX_ATTEMPTS_LIMIT}")
-        if not (0 <= self.backoff_base_s <= self.backoff_cap_s):
-            raise ValueError("backoff needs 0 <= backoff_base_s <= backoff_cap_s")
-        if not all(isinstance(t, type) and issubclass(t, BaseException) for t in self.retry_on):
-            raise ValueError("retry_on must be a tuple of exception classes")
-
-    def retries(self, exc: BaseException) -> bool:
-        return isinstance(exc, self.retry_on)
-
-    def backoff_bound(self, failures: int) -> float:
-        """The longest wait after the `failures`-th failed attempt (1 after the first)."""
-        exponent = min(max(failures - 1, 0), 64)  # 2**64 s is past any cap; avoids huge floats
-        return min(self.backoff_cap_s, self.backoff_base_s * 2.0**exponent)
-
-    def backoff(self, failures: int, rng: random.Random | None = None) -> float:
-        """Full jitter: uniform between 0 and the bound."""
-        return (rng or _rng).uniform(0.0, self.backoff_bound(failures))
-
-
-NO_RETRY = RetryPolicy(max_attempts=1, backoff_base_s=0.0, backoff_cap_s=0.0)
-
-_rng = random.SystemRandom()
 
 
 def attempt_record(
