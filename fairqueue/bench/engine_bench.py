@@ -28,7 +28,7 @@ import redis
 from fairqueue.engine import KeyLimit, ops
 from fairqueue.engine.engine import Engine, fcall_args
 from fairqueue.engine.keys import LAYOUT
-from fairqueue.engine.scripts import library, loaded_libraries
+from fairqueue.engine.scripts import Library, library, loaded_libraries
 
 TRIVIAL = "return redis.call('incr', KEYS[1])"
 # The floor under a one-key release with handoff: the eight Redis commands it cannot do
@@ -68,7 +68,7 @@ TARGETS = {"admit_ratio": 8.0, "release_ratio": 9.0, "admit3_ratio": 20.0, "scal
 FLOWS = 1_000  # the flows of the many-flows case, all on one key
 
 
-AB_OPERATIONS = ("release", "release3", "admit")
+AB_OPERATIONS = ("release", "release_flows", "release3", "admit")
 CHUNK = 200  # calls per measured batch; a trivial batch of the same size runs before each
 
 
@@ -443,20 +443,42 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
     return result
 
 
+def ab_parked(bench: Bench, version: Library, n: int, operation: str, calls: int) -> list[tuple[Any, ...]]:
+    """For ``engine-ab``: one holder and ``calls`` jobs parked on a limit-1 key of tag
+    ``TAG<n>`` by ``version``'s own admit (``release_flows``: round-robin over FLOWS flows of
+    weight 1, so each handoff goes to another flow); returns the hinted releases, by that
+    version's function, that hand the slot on through them in order."""
+    tag, key = f"{TAG}{n}", "h" if operation == "release" else "f"
+    admit, release = version.function("admit_job"), version.function("release_job")
+    jobs = [f"v{n}-{i}" for i in range(calls + 1)]
+    parks = []
+    for i, job in enumerate(jobs):
+        keys = {key: 1} if operation == "release" else [KeyLimit(key, 1, f"tenant:{i % FLOWS}", 1.0)]
+        call = bench.call_args(ops.admit("fq", tag=tag, job_id=job, keys=keys, priority=0, lease_seconds=600, data=""))
+        parks.append(("FCALL", admit, *call[2:]))
+    bench.pipelined(parks)
+    return [
+        ("FCALL", release, *bench.call_args(ops.release("fq", tag=tag, job_id=job, keys=[key]))[2:])
+        for job in jobs[:calls]
+    ]
+
+
 def run_ab(
     url: str, lua_dirs: list[Path], operation: str = "release", calls: int = 40_000, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """A/B versions of the engine's Lua (``lua/`` directories) on the same data.
+    """A/B versions of the engine's Lua (``lua/`` directories) on the same workload.
 
     Engine changes worth a few percent drown in this VM's drift between two bench runs,
     so each version is loaded as its own library (a library is named by a hash of its
-    source) and CHUNK-call batches of the versions alternate on one shared workload, each
-    batch's cost taken as a ratio to the trivial batch just before it. ``release``: one
+    source) and CHUNK-call batches of the versions alternate on one workload (the release
+    cases on equal data of each version's own making, see ab_parked), each batch's cost
+    taken as a ratio to the trivial batch just before it. ``release``: one
     holder and ``calls`` parked jobs on a limit-1 key, each hinted release handing the slot
-    on; ``release3``: hinted releases of three-key jobs on keys that never fill (the shape
-    of FairQueue's own jobs: tenant, shard, sub-tenant); ``admit``: one-key admits on ten
-    keys that never fill. Every loaded library costs
-    each FCALL (the Lua GC marks it), so absolute ratios run higher than the main bench's;
+    on; ``release_flows``: the same with the parked jobs spread round-robin over FLOWS flows
+    (weight 1 each), so each handoff goes to another flow; ``release3``: hinted releases of
+    three-key jobs on keys that never fill (the shape of FairQueue's own jobs: tenant,
+    shard, sub-tenant); ``admit``: one-key admits on ten keys that never fill. Every loaded
+    library costs each FCALL (the Lua GC marks it), so absolute ratios run higher than the main bench's;
     the differences between versions are the figure. Variant libraries are deleted after.
     """
     if operation not in AB_OPERATIONS:
@@ -471,32 +493,39 @@ def run_ab(
         bench.ensure_library()
         for version in versions:
             bench.client.function_load(version.source, replace=True)
-        if operation == "release":
-            first = bench.serial + 1
-            bench.pipelined(bench.admit_args({"h": 1}) for _ in range(calls + 1))
-            work = [
-                bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=["h"])) for i in range(calls)
-            ]
-        elif operation == "release3":
-            first = bench.serial + 1
-            keys = [{f"x{i % 10}": BIG, f"y{i % 10}": BIG, f"z{i % 10}": BIG} for i in range(calls)]
-            bench.pipelined(bench.admit_args(k) for k in keys)
-            work = [
-                bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=sorted(keys[i])))
-                for i in range(calls)
-            ]
-        else:
-            work = [bench.admit_args({f"a{i % 10}": BIG}) for i in range(calls)]
         ratios: dict[str, list[float]] = {v.name: [] for v in versions}
         trivial = [bench.trivial_args()] * CHUNK
-        done = 0
-        while done + CHUNK * len(versions) <= len(work):
-            for version in versions:
-                name = version.function("admit_job" if operation == "admit" else "release_job")
-                batch = [("FCALL", name, *call[2:]) for call in work[done : done + CHUNK]]
-                done += CHUNK
-                base = bench.batch_us(trivial)
-                ratios[version.name].append(bench.batch_us(batch) / max(base, 1e-9))
+        if operation in ("release", "release_flows"):
+            # Parked jobs are stored in the layout of the code that parked them, and two
+            # versions may differ in it: each version parks its share on a tag of its own
+            # with its own admit, and releases only those.
+            work_of = {
+                v.name: ab_parked(bench, v, n, operation, calls // len(versions)) for n, v in enumerate(versions)
+            }
+            for start in range(0, calls // len(versions) - CHUNK + 1, CHUNK):
+                for version in versions:
+                    base = bench.batch_us(trivial)
+                    batch = work_of[version.name][start : start + CHUNK]
+                    ratios[version.name].append(bench.batch_us(batch) / max(base, 1e-9))
+        else:
+            if operation == "release3":
+                first = bench.serial + 1
+                keys = [{f"x{i % 10}": BIG, f"y{i % 10}": BIG, f"z{i % 10}": BIG} for i in range(calls)]
+                bench.pipelined(bench.admit_args(k) for k in keys)
+                work = [
+                    bench.call_args(ops.release("fq", tag=TAG, job_id=f"b{first + i}", keys=sorted(keys[i])))
+                    for i in range(calls)
+                ]
+            else:
+                work = [bench.admit_args({f"a{i % 10}": BIG}) for i in range(calls)]
+            done = 0
+            while done + CHUNK * len(versions) <= len(work):
+                for version in versions:
+                    name = version.function("admit_job" if operation == "admit" else "release_job")
+                    batch = [("FCALL", name, *call[2:]) for call in work[done : done + CHUNK]]
+                    done += CHUNK
+                    base = bench.batch_us(trivial)
+                    ratios[version.name].append(bench.batch_us(batch) / max(base, 1e-9))
     finally:
         bench.client.flushdb()
         bench.client.function_delete(TRIVIAL_LIBRARY_NAME)
