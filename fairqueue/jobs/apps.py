@@ -5,6 +5,8 @@ import importlib
 from django.apps import AppConfig
 from django.conf import settings
 
+from fairqueue import tracing
+
 
 class JobsConfig(AppConfig):
     name = "fairqueue.jobs"
@@ -15,7 +17,13 @@ class JobsConfig(AppConfig):
         # Every import below reads models, which Django allows only once the app registry is
         # ready (this method): not a cycle dodged, the registry's order. Register the demo
         # tasks, the worker's and the admin's signal handlers in every process.
-        from fairqueue.jobs import demo_tasks, signals, worker  # noqa: F401
+        from fairqueue.jobs import demo_tasks, signals, tasks, worker  # noqa: F401
+
+        # From the OTEL_* environment, in every process (web, worker, commands): off by
+        # default. Here, before the first request loads the middleware Django's
+        # instrumentation adds. The run task registered above is what Celery's
+        # instrumentation finds when it publishes (its span and the message's headers).
+        tracing.tracing_configure()
 
         # The deployment's own task modules: each registers its tasks on import.
         for module in settings.FAIRQUEUE["TASK_MODULES"]:

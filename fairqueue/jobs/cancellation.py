@@ -7,6 +7,7 @@ import logging
 from django.utils import timezone
 
 from fairqueue.jobs import stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
@@ -30,7 +31,9 @@ def job_cancel(*, job: Job) -> Job:
         if job.status == JobStatus.RUNNING:
             raise JobError(409, "not_cancellable", "Job is already running.", None)
         updated = Job.objects.filter(id=job.id, generation=job.generation, status__in=sorted(WAITING_STATUSES)).update(
-            status=JobStatus.CANCELLED, finished_at=timezone.now()
+            status=JobStatus.CANCELLED,
+            finished_at=timezone.now(),
+            timeline=tl.appended(tl.line(tl.FINISHED, JobStatus.CANCELLED)),
         )
         job.refresh_from_db()
         if updated:

@@ -58,6 +58,11 @@ class Job(models.Model):
     engine_keys = models.CharField(
         max_length=700, blank=True, default="", help_text="Engine key names, space-separated (canonical order)."
     )
+    # The submit request's W3C trace context (fairqueue.tracing): the job's later spans, in
+    # whatever process, join that trace. Empty when tracing was off.
+    traceparent = models.CharField(max_length=55, blank=True, default="")
+    # One line per lifecycle step, appended with each status change (fairqueue.jobs.timeline).
+    timeline = models.TextField(blank=True, default="")
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )

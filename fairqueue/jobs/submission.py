@@ -27,7 +27,9 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
+from fairqueue import tracing
 from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
@@ -116,6 +118,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         batch=req.batch,
         idempotency_key=req.idempotency_key,
         args=req.args,
+        traceparent=tracing.traceparent(),  # the submit request's span: the job's trace
     )
 
 
@@ -170,8 +173,10 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             return [r for r in results if r is not None]
         _offload_large_args(fresh)
         accepted_at = timezone.now()
+        steps = tl.line(tl.SUBMITTED, at=accepted_at) + tl.line(tl.ADMITTED, at=accepted_at)
         for job in fresh:
             job.admitted_at = accepted_at  # see the module docstring
+            job.timeline = steps
         try:
             _insert(fresh)
         except IntegrityError as exc:
@@ -234,8 +239,13 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
 def _admission_pending(jobs: Sequence[Job]) -> None:
     """The admission did not happen: clear the mark the rows were written with, so the
     pending sweep admits them (if even this fails, the reconciler re-enters them)."""
+    admitted = {j.admitted_at for j in jobs if j.admitted_at is not None}
+    pending = tl.line(tl.PENDING, "not admitted at submit")
     try:
-        Job.objects.filter(id__in=[j.id for j in jobs], generation=0, status=JobStatus.QUEUED).update(admitted_at=None)
+        for at in admitted:  # one per submit: the rows' assumed admission, taken back
+            Job.objects.filter(
+                id__in=[j.id for j in jobs if j.admitted_at == at], generation=0, status=JobStatus.QUEUED
+            ).update(admitted_at=None, timeline=tl.replaced(tl.line(tl.ADMITTED, at=at), pending))
     except Exception:
         log.exception("could not mark %d job(s) for the pending sweep; the reconciler re-enters them", len(jobs))
     for job in jobs:
