@@ -4,8 +4,10 @@ Configured from the standard environment variables, read once per process when t
 app is ready (web, worker, management commands alike):
 
 - `OTEL_TRACES_EXPORTER`: `otlp` (OTLP over HTTP/protobuf), `console`, or `none`, the
-  default. Off, nothing of the SDK is imported and every helper here returns at its first
-  line: tracing costs nothing unless it is asked for.
+  default; also `in_memory` (FairQueue's own, for benchmarks: spans are made and kept in
+  the process, so a run measures making them, not shipping them). Off, nothing of the
+  tracing SDK is imported and every helper here returns at its first line: tracing costs
+  nothing unless it is asked for.
 - `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), `OTEL_SERVICE_NAME`,
   `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_*`: read by the SDK itself.
 
@@ -37,7 +39,7 @@ log = logging.getLogger("fairqueue.tracing")
 
 TRACER_NAME = "fairqueue"
 DEFAULT_SERVICE_NAME = "fairqueue"
-EXPORTERS = ("otlp", "console", "none")
+EXPORTERS = ("otlp", "console", "in_memory", "none")
 
 _tracer: trace.Tracer | None = None
 _provider: Any = None  # the SDK's TracerProvider while tracing is on
@@ -80,6 +82,11 @@ def tracing_configure(*, exporter: SpanExporter | None = None, service_name: str
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     elif kind == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+    elif kind == "in_memory":
+        # Optional heavy import, as above.
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
     else:
         # Optional heavy import, as above: the OTLP/HTTP exporter (protobuf, requests).
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import F, Value
+from django.db.models import F, TextField, Value
 from django.db.models.functions import Concat, Replace
 from django.utils import timezone
 
@@ -40,12 +40,20 @@ def line(event: str, detail: str = "", *, at: datetime | None = None) -> str:
 
 def appended(*lines: str) -> Concat:
     """An UPDATE's value for `timeline`: what it holds, then `lines`, in the same statement."""
-    return Concat(F("timeline"), Value("".join(lines)))
+    return Concat(F("timeline"), _text("".join(lines)), output_field=TextField())
 
 
 def replaced(old_line: str, *lines: str) -> Concat:
     """Ditto, with `old_line` taken out first (a fresh row's assumed `admitted`)."""
-    return Concat(Replace(F("timeline"), Value(old_line), Value("")), Value("".join(lines)))
+    return Concat(
+        Replace(F("timeline"), _text(old_line), _text(""), output_field=TextField()),
+        _text("".join(lines)),
+        output_field=TextField(),
+    )
+
+
+def _text(value: str) -> Value:
+    return Value(value, output_field=TextField())
 
 
 def steps(timeline: str) -> list[Step]:
