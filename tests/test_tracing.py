@@ -13,9 +13,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.test import Client, SimpleTestCase, override_settings
+from django.http.response import HttpResponseBase
+from django.test import AsyncClient, Client, SimpleTestCase, override_settings
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
 from fairqueue import tracing
@@ -144,6 +146,27 @@ class TracingEndToEndTests(E2EBase):
         self.assertEqual(
             [s.event for s in tl.steps(job.timeline)], [tl.SUBMITTED, tl.ADMITTED, tl.STARTED, tl.FINISHED]
         )
+
+    def test_a_submit_served_over_asgi_is_traced_too(self) -> None:
+        # Production serves Django over ASGI (daphne, uvicorn): Django's instrumentation
+        # traces those requests only with the ASGI instrumentation installed beside it.
+        _, key = _tenant("asgi")
+
+        async def post() -> HttpResponseBase:
+            return await AsyncClient().post(
+                "/api/v1/jobs",
+                json.dumps({"task": "demo.noop", "args": {}}),
+                content_type="application/json",
+                headers={"Authorization": f"Bearer {key}"},
+            )
+
+        resp = async_to_sync(post)()
+        self.assertEqual(resp.status_code, 202, resp.content)
+        job = Job.objects.get(id=json.loads(resp.content)["id"])
+        self.assertTrue(job.traceparent, "the job knows the request's trace")
+        spans = self.trace_of(job, "fairqueue.admission", "apply_async/fairqueue.run_job")
+        self.assertEqual((spans[0].kind, spans[0].parent_id), (SPAN_KIND_SERVER, ""))
+        self.assertConnected(spans)
 
     def test_a_parked_jobs_trace_shows_its_wait_and_the_release_that_ended_it(self) -> None:
         _, key = _tenant("narrow", max_concurrency=1)
