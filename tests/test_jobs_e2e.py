@@ -8,6 +8,7 @@ from datetime import datetime
 
 from django.test import Client, override_settings
 
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from tenants.models import Shard, Tenant
 from tenants.policy import policy_invalidate
@@ -178,3 +179,9 @@ class WorkerLossTests(E2EBase):
         self.assertEqual(row.worker_losses, 1)
         self.assertTrue(row.worker.startswith("survivor"))
         self.assertEqual(LedgerEntry.objects.get(job_id=row.id).writes, 1)
+        # Its timeline on the row tells the story (fairqueue.jobs.timeline).
+        self.assertEqual(
+            [step.event for step in tl.steps(row.timeline)],
+            ["submitted", "admitted", "started", "reclaimed", "admitted", "started", "finished"],
+            row.timeline,
+        )

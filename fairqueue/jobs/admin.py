@@ -8,6 +8,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import seconds_text
@@ -36,7 +37,11 @@ class JobAdmin(admin.ModelAdmin):
     search_fields = ("id", "idempotency_key", "sub_tenant", "task")
     date_hierarchy = "submitted_at"
     list_select_related = ("tenant",)
-    readonly_fields = [f.name for f in Job._meta.fields] + ["place_in_line", "attempts_table"]
+    readonly_fields = [f.name for f in Job._meta.fields if f.name != "timeline"] + [
+        "place_in_line",
+        "attempts_table",
+        "lifecycle",
+    ]
     actions = ["retry_jobs"]
     inlines = [WebhookDeliveryInline]
     show_full_result_count = False
@@ -82,6 +87,29 @@ class JobAdmin(admin.ModelAdmin):
         )
         return format_html('<table class="attempts"><tr>{}</tr>{}</table>', SafeString(head), rows)
 
+    @admin.display(description="timeline")
+    def lifecycle(self, job: Job) -> str:
+        """The job's lifecycle from its own row (fairqueue.jobs.timeline): each step, when,
+        and how long after the submit; no tracing backend needed."""
+        steps = tl.steps(job.timeline)
+        if not steps:
+            return "-"
+        first = steps[0].at
+        rows = format_html_join(
+            "",
+            "<tr><td>{}</td><td>{}</td><td>+{} s</td><td>{}</td></tr>",
+            (
+                (
+                    s.event,
+                    s.at.isoformat(sep=" ", timespec="milliseconds"),
+                    f"{(s.at - first).total_seconds():.3f}",
+                    s.detail,
+                )
+                for s in steps
+            ),
+        )
+        return format_html('<table class="fq-timeline"><tbody>{}</tbody></table>', rows)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False  # jobs enter through the API, where they are validated and admitted
 
@@ -98,6 +126,7 @@ class JobAdmin(admin.ModelAdmin):
             admitted_at=None,
             started_at=None,
             finished_at=None,
+            timeline=tl.appended(tl.line(tl.REQUEUED, "retried by an operator")),
         )
         jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")))
         self.message_user(request, f"Re-queued {len(failed)} failed job(s).", messages.SUCCESS)

@@ -6,6 +6,8 @@ from django.apps import AppConfig
 from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
 
+from fairqueue import tracing
+
 # The module of an installed app that registers its tasks, as Celery finds `tasks.py`.
 TASKS_MODULE_NAME = "fairqueue_tasks"
 
@@ -19,7 +21,13 @@ class JobsConfig(AppConfig):
         # Every import below reads models, which Django allows only once the app registry is
         # ready (this method): not a cycle dodged, the registry's order. Register the
         # worker's and the admin's signal handlers in every process.
-        from fairqueue.jobs import signals, worker  # noqa: F401
+        from fairqueue.jobs import signals, tasks, worker  # noqa: F401
+
+        # From the OTEL_* environment, in every process (web, worker, commands): off by
+        # default. Here, before the first request loads the middleware Django's
+        # instrumentation adds. The run task registered above is what Celery's
+        # instrumentation finds when it publishes (its span and the message's headers).
+        tracing.tracing_configure()
 
         # Tasks, in the web process and the worker alike: every installed app's
         # `fairqueue_tasks` module, the listed modules, and the demo's in the demo only.

@@ -5,7 +5,9 @@ reads: `fq.jobs`, where a latency class is a message priority read strictly high
 first, and the idle-capacity batch lane, read only when no class waits (fairqueue/queues.py
 says how on Redis and on RabbitMQ). A delivery's route travels through the engine as its
 opaque data string: the class level, or BATCH_ROUTE; the broker it is published to turns
-it into a queue and a message priority.
+it into a queue and a message priority. With tracing on, the job's trace context follows
+the route after a space (fairqueue.tracing.job_carry), so a delivery published by another
+job's release still goes out in its own job's trace.
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fairqueue import tracing
 from fairqueue.celery import app
 from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_target
 
-__all__ = ["BATCH_QUEUE", "JOBS_QUEUE", "deliveries_publish", "delivery_publish", "delivery_route", "split_engine_id"]
+__all__ = [
+    "BATCH_QUEUE",
+    "JOBS_QUEUE",
+    "deliveries_publish",
+    "delivery_publish",
+    "delivery_route",
+    "route_carry",
+    "split_engine_id",
+]
 
 RUN_TASK_NAME = "fairqueue.run_job"
 BATCH_ROUTE = "batch"
@@ -29,13 +40,22 @@ def split_engine_id(engine_id: str) -> tuple[str, int]:
     return job_id, int(gen)
 
 
-def delivery_route(*, level: int, batch: bool) -> str:
-    """The engine data string that says where a delivery of this job is published."""
-    return BATCH_ROUTE if batch else str(level)
+def delivery_route(*, level: int, batch: bool, carry: str = "") -> str:
+    """The engine data string that says where a delivery of this job is published (and,
+    after a space, the job's trace `carry`, when it has one)."""
+    route = BATCH_ROUTE if batch else str(level)
+    return f"{route} {carry}" if carry else route
 
 
-def route_level(route: str) -> int | None:
+def route_carry(data: str) -> tuple[str, str]:
+    """(route, trace carry) of a delivery's engine data string."""
+    route, _, carry = data.partition(" ")
+    return route, carry
+
+
+def route_level(data: str) -> int | None:
     """The class level a route names, or None for the batch lane."""
+    route = route_carry(data)[0]
     if route == BATCH_ROUTE:
         return None
     return int(route) if route.isdigit() else DEFAULT_LEVEL
@@ -105,17 +125,21 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
     # thread of its own.
     with app.producer_pool.acquire(block=True) as producer, producer.batch(max_size=max(len(deliveries), 1)):
         amqp = producer.connection.transport.driver_type == "amqp"
-        for engine_id, route in deliveries:
+        for engine_id, data in deliveries:
             job_id, gen = split_engine_id(engine_id)
+            route, carry = route_carry(data)
             queue, priority = message_target(route_level(route), amqp=amqp)
-            app.send_task(
-                RUN_TASK_NAME,
-                args=[job_id, gen],
-                queue=queue,
-                priority=priority,
-                producer=producer,
-                declare=_declarations(queue, amqp=amqp),
-            )
+            # Celery's instrumentation puts the current context in the message's headers:
+            # the job's own, whichever job's release is publishing it.
+            with tracing.within(tracing.carry_read(carry)[0]):
+                app.send_task(
+                    RUN_TASK_NAME,
+                    args=[job_id, gen],
+                    queue=queue,
+                    priority=priority,
+                    producer=producer,
+                    declare=_declarations(queue, amqp=amqp),
+                )
 
 
 def _declarations(queue: str, *, amqp: bool) -> list[Any]:

@@ -8,6 +8,7 @@ import logging
 from django.utils import timezone
 
 from fairqueue.jobs import stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import DEFERRED_STATUSES, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
@@ -40,7 +41,11 @@ def job_cancel(*, job: Job) -> Job:
         updated = job_finish(
             job,
             where={"id": job.id, "generation": job.generation, "status__in": statuses},
-            fields={"status": JobStatus.CANCELLED, "finished_at": timezone.now()},
+            fields={
+                "status": JobStatus.CANCELLED,
+                "finished_at": timezone.now(),
+                "timeline": tl.appended(tl.line(tl.FINISHED, JobStatus.CANCELLED)),
+            },
         )
         job.refresh_from_db()
         if updated:

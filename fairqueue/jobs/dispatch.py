@@ -21,10 +21,19 @@ from django.db.models import Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from fairqueue import tracing
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import live, stats
-from fairqueue.jobs.admission import admission_plan, class_level, job_placement, known_resources, shard_tag
-from fairqueue.jobs.broker import deliveries_publish, delivery_route, split_engine_id
+from fairqueue.jobs import timeline as tl
+from fairqueue.jobs.admission import (
+    AdmissionPlan,
+    admission_plan,
+    class_level,
+    job_placement,
+    known_resources,
+    shard_tag,
+)
+from fairqueue.jobs.broker import deliveries_publish, delivery_route, route_carry, split_engine_id
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
@@ -141,13 +150,83 @@ def _update_where(jobs: Iterable[Job], statuses: Sequence[str], **fields: Any) -
         Job.objects.filter(id__in=ids, generation=generation, status__in=statuses).update(**fields)
 
 
+def _by_fresh_line(jobs: Sequence[Job], *, fresh: bool) -> list[list[Job]]:
+    """`jobs` grouped by the `admitted` line they were written with (fresh rows, see
+    `jobs_admit`), which an update that finds them not admitted takes back."""
+    if not fresh:
+        return [list(jobs)]
+    groups: dict[str, list[Job]] = defaultdict(list)
+    for job in jobs:
+        groups[_fresh_admitted_line(job)].append(job)
+    return list(groups.values())
+
+
+def _fresh_admitted_line(job: Job) -> str:
+    return tl.line(tl.ADMITTED, at=job.admitted_at) if job.admitted_at is not None else ""
+
+
+def _timeline_then(job: Job, fresh: bool, new_line: str) -> Any:
+    """The timeline update for a job just found not admitted: a fresh row loses the
+    `admitted` line it was written with."""
+    if fresh and job.admitted_at is not None:
+        return tl.replaced(_fresh_admitted_line(job), new_line)
+    return tl.appended(new_line)
+
+
+def _admissions_trace(
+    jobs: Sequence[Job],
+    plans: Sequence[AdmissionPlan],
+    outcomes: Sequence[Admission],
+    *,
+    policy: PolicySnapshot,
+    start_ns: int,
+    running: bool,
+) -> None:
+    """One admission span per job, in its own trace, spanning the engine call that
+    admitted them all (one round trip for the batch)."""
+    end_ns = time.time_ns()
+    for job, plan, outcome in zip(jobs, plans, outcomes, strict=True):
+        if outcome.admitted:
+            result = "admitted"
+        elif outcome.not_ready:
+            result = "not_ready"
+        else:
+            result = "parked"
+        tp = policy.tenants.get(job.tenant.slug)
+        tracing.span_record(
+            "fairqueue.admission",
+            parent=job.traceparent,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            events=[(result, {"key": outcome.parked_on, "position": outcome.position})],
+            job_id=str(job.id),
+            generation=job.generation,
+            tenant=job.tenant.slug,
+            sub_tenant=job.sub_tenant or None,
+            shard=tp.shard if tp is not None else None,
+            latency_class=job.latency_class,
+            batch=job.in_batch_lane,
+            keys=[k.name for k in plan.keys],
+            limits=[k.limit for k in plan.keys],
+            priority=plan.priority,
+            outcome=result,
+            parked_on=outcome.parked_on,
+            position=outcome.position,
+            woken=len(outcome.woken),
+            reclaimed=len(outcome.reclaimed),
+            rebuild=running or None,
+        )
+
+
 def _jobs_admit(
     jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool, fresh: bool
 ) -> None:
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
+    plans: list[AdmissionPlan] = []
     admitted_jobs = []
     outside = resource_key_limits(jobs, policy)
+    started_ns = time.time_ns()  # the admission spans' start: before each job's carry is stamped
     for job in jobs:
         tp = policy.tenants.get(job.tenant.slug)
         if tp is None or job.status in TERMINAL_STATUSES:
@@ -172,10 +251,15 @@ def _jobs_admit(
                 keys=plan.keys,
                 priority=plan.priority,
                 lease_seconds=lease_seconds,
-                data=delivery_route(level=class_level(policy, job.latency_class), batch=job.in_batch_lane),
+                data=delivery_route(
+                    level=class_level(policy, job.latency_class),
+                    batch=job.in_batch_lane,
+                    carry=tracing.job_carry(job.traceparent),
+                ),
                 require_ready=require_ready,
             )
         )
+        plans.append(plan)
         admitted_jobs.append(job)
     started = time.perf_counter()
     outcomes: list[Admission] = engine().admit_many(items)
@@ -187,21 +271,47 @@ def _jobs_admit(
         if again:
             for i, o in zip(again, engine().admit_many([items[i] for i in again]), strict=True):
                 outcomes[i] = o
+    if tracing.tracing_enabled():
+        _admissions_trace(admitted_jobs, plans, outcomes, policy=policy, start_ns=started_ns, running=running)
     if running:
         return
     now = timezone.now()
     pairs = list(zip(admitted_jobs, outcomes, strict=True))
     waiting = [j for j, o in pairs if o.not_ready]
-    parked = [j for j, o in pairs if not o.admitted and not o.not_ready]
+    parked = [(j, o) for j, o in pairs if not o.admitted and not o.not_ready]
     go = [j for j, o in pairs if o.admitted]
     if waiting:
         # Not admitted: recovery's pending sweep (or the state rebuild) admits them later.
         log.warning("scheduling state not rebuilt yet: %d job(s) wait for recovery", len(waiting))
-        _update_where(waiting, WAITING, status=JobStatus.QUEUED, admitted_at=None)
+        for group in _by_fresh_line(waiting, fresh=fresh):
+            _update_where(
+                group,
+                WAITING,
+                status=JobStatus.QUEUED,
+                admitted_at=None,
+                timeline=_timeline_then(group[0], fresh, tl.line(tl.PENDING, "engine state not rebuilt", at=now)),
+            )
     if parked:
-        _update_where(parked, [JobStatus.QUEUED], status=JobStatus.PARKED, admitted_at=None)
+        by_key: dict[str, list[Job]] = defaultdict(list)
+        for job, outcome in parked:
+            by_key[outcome.parked_on or ""].append(job)
+        for key, keyed in by_key.items():
+            for group in _by_fresh_line(keyed, fresh=fresh):
+                _update_where(
+                    group,
+                    [JobStatus.QUEUED],
+                    status=JobStatus.PARKED,
+                    admitted_at=None,
+                    timeline=_timeline_then(group[0], fresh, tl.line(tl.PARKED, key, at=now)),
+                )
     if go and not fresh:
-        _update_where(go, WAITING, status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now)))
+        _update_where(
+            go,
+            WAITING,
+            status=JobStatus.QUEUED,
+            admitted_at=Coalesce("admitted_at", Value(now)),
+            timeline=tl.appended(tl.line(tl.ADMITTED, at=now)),
+        )
     for job, outcome in pairs:
         if outcome.admitted:
             if job.admitted_at is None:
@@ -232,9 +342,10 @@ def _publish(deliveries: Sequence[tuple[str, str]]) -> None:
     except Exception:
         log.exception("could not publish %d job(s); the pending sweep publishes them again", len(deliveries))
     failed = [split_engine_id(engine_id) for engine_id, _ in deliveries]
+    line = tl.line(tl.PENDING, "publish failed")
     for generation, ids in _by_generation(failed).items():
         Job.objects.filter(id__in=ids, generation=generation, status__in=WAITING).update(
-            status=JobStatus.QUEUED, admitted_at=None
+            status=JobStatus.QUEUED, admitted_at=None, timeline=tl.appended(line)
         )
 
 
@@ -245,14 +356,40 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         # Publish first: the slot is already theirs, and every millisecond here is a worker
         # slot held but idle. The claim accepts `parked` as well, so the order is safe.
         now = timezone.now()
+        waits_trace(woken)
         _publish([(w.job_id, w.data) for w in woken])
+        line = tl.line(tl.WOKEN, at=now)
         for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
             Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
-                status=JobStatus.QUEUED, admitted_at=now
+                status=JobStatus.QUEUED, admitted_at=now, timeline=tl.appended(line)
             )
     reclaimed = list(reclaimed)
     if reclaimed:
         jobs_redeliver([r.job_id for r in reclaimed])
+
+
+def waits_trace(woken: Iterable[Woken]) -> None:
+    """Each woken job's wait, in its own trace: from its admission (the park) to now,
+    linked to the current span (the release, or the admission, that woke it)."""
+    if not tracing.tracing_enabled():
+        return
+    cause = tracing.traceparent()
+    end_ns = time.time_ns()
+    for w in woken:
+        tp, parked_ns = tracing.carry_read(route_carry(w.data)[1])
+        if not tp:
+            continue
+        job_id, generation = split_engine_id(w.job_id)
+        tracing.span_record(
+            "fairqueue.wait",
+            parent=tp,
+            start_ns=parked_ns or end_ns,
+            end_ns=end_ns,
+            links=[cause] if cause else [],
+            events=[("woken", {})],
+            job_id=job_id,
+            generation=generation,
+        )
 
 
 def jobs_redeliver(engine_ids: Iterable[str]) -> None:
@@ -268,6 +405,9 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 continue
             if job.status == JobStatus.RUNNING:
                 job.worker_losses += 1
+            with tracing.span("fairqueue.reclaim", parent=job.traceparent, job_id=str(job.id), generation=gen):
+                tracing.event("reclaimed", was=job.status, worker_losses=job.worker_losses)
+            job.timeline += tl.line(tl.RECLAIMED, f"generation {gen} {job.status}")
             job.generation += 1
             job.admitted_at = None
             if job.worker_losses >= poison_limit:
@@ -275,6 +415,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 job.error_reason = "worker_lost"
                 job.error = f"Workers died {job.worker_losses} times running this job; not re-delivered again."
                 job.finished_at = timezone.now()
+                job.timeline += tl.line(tl.FINISHED, "failed worker_lost", at=job.finished_at)
                 stats.count("finished:failed")
             else:
                 job.status = JobStatus.QUEUED
@@ -299,6 +440,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     "error",
                     "error_reason",
                     "finished_at",
+                    "timeline",
                 ]
             )
             event_record(job)  # a no-op unless it just failed for good and has a webhook target
@@ -320,12 +462,20 @@ def job_release(
     release freed: that one is neither published nor marked `queued` (its claim takes it
     from `parked` to `running`); it is returned. Should the pick fail, everything is
     published as usual."""
-    started = time.perf_counter()
-    result = engine().release(tag=tag, job_id=engine_id, keys=keys)
-    stats.observe("release", time.perf_counter() - started)
-    kept = _keep_one(keep, result.woken)
+    with tracing.span("fairqueue.release", job_id=split_engine_id(engine_id)[0], tag=tag):
+        started = time.perf_counter()
+        result = engine().release(tag=tag, job_id=engine_id, keys=keys)
+        stats.observe("release", time.perf_counter() - started)
+        tracing.set_attributes(found=result.found, woken=len(result.woken), reclaimed=len(result.reclaimed))
+        kept = _keep_one(keep, result.woken)
+        if kept is not None:
+            waits_trace([kept])
+        return _release_dispatch(result.woken, result.reclaimed, kept)
+
+
+def _release_dispatch(woken: Sequence[Woken], reclaimed: Sequence[Woken], kept: Woken | None) -> Woken | None:
     try:
-        outcomes_handle(woken=[w for w in result.woken if w is not kept], reclaimed=result.reclaimed)
+        outcomes_handle(woken=[w for w in woken if w is not kept], reclaimed=reclaimed)
     except Exception:
         if kept is not None:  # the caller will not get to run it: it goes the usual way
             _publish([(kept.job_id, kept.data)])

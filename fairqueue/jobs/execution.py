@@ -22,9 +22,11 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
 from fairqueue.jobs import handback, live, payloads, stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
 from fairqueue.jobs.broker import split_engine_id
@@ -65,6 +67,7 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
                 generation=kept_generation,
                 worker=worker,
                 keep=inline_pick if chain < MAX_INLINE_CHAIN else None,
+                inline=True,
             )
         except Exception:
             # Whatever failed (the database, say), the job must not sit on its slot without
@@ -75,8 +78,11 @@ def job_execute(*, job_id: str, generation: int, worker: str) -> str:
     return outcome
 
 
-def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick | None) -> tuple[str, Woken | None]:
-    """Run one job; returns what happened and the woken job `keep` picked to run next."""
+def _delivery_run(
+    *, job_id: str, generation: int, worker: str, keep: KeepPick | None, inline: bool = False
+) -> tuple[str, Woken | None]:
+    """Run one job; returns what happened and the woken job `keep` picked to run next.
+    `inline`: the job was handed this slot by the release before it, with no delivery."""
     waiting = [JobStatus.QUEUED, JobStatus.PARKED]
     job = (
         Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
@@ -84,6 +90,30 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     if job is None:
         # Stale generation, cancelled, or already run: the guard that makes it once.
         return "skipped", _release_if_finished(job_id, generation, keep)
+    # In the job's own trace: under the broker delivery's span when it came through the
+    # broker, else (an inline handoff) under its submit, linked to the job before it.
+    with tracing.span(
+        "fairqueue.run",
+        parent=job.traceparent,
+        job_id=str(job.id),
+        generation=generation,
+        tenant=job.tenant.slug,
+        sub_tenant=job.sub_tenant or None,
+        shard=job.tenant.shard.name,
+        latency_class=job.latency_class,
+        batch=job.in_batch_lane,
+        task=job.task,
+        worker=worker,
+        inline=inline,
+    ):
+        outcome, kept = _job_run(job, worker=worker, keep=keep, inline=inline)
+        tracing.set_attributes(outcome=outcome)
+        return outcome, kept
+
+
+def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> tuple[str, Woken | None]:
+    job_id, generation = str(job.id), job.generation
+    waiting = [JobStatus.QUEUED, JobStatus.PARKED]
     if not job.engine_tag:  # a row from before placements were stored
         job.engine_tag = shard_tag(job.tenant.shard.name)
         job.engine_keys = KEY_SEPARATOR.join(
@@ -108,7 +138,9 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         # Whether we hold the slot is unknown until Redis is back: hand the job to the
         # pending sweep, which admits it again (or finds it held) and publishes it then.
         Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
-            status=JobStatus.QUEUED, admitted_at=None
+            status=JobStatus.QUEUED,
+            admitted_at=None,
+            timeline=tl.appended(tl.line(tl.PENDING, "engine unreachable at start")),
         )
         return "engine_unreachable", None
     if not renewed:
@@ -116,15 +148,21 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         # been or will be re-delivered under a new generation.
         return "lost", None
     now = timezone.now()
+    steps = [tl.line(tl.STARTED, worker, at=now)]
+    if inline:  # handed this slot by a release: nobody else writes its wake-up
+        steps.insert(0, tl.line(tl.WOKEN, "inline", at=now))
     claimed = Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
         status=JobStatus.RUNNING,
         started_at=now,
         admitted_at=Coalesce("admitted_at", Value(now)),
         attempts=F("attempts") + 1,
         worker=worker,
+        timeline=tl.appended(*steps),
     )
     if not claimed:
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
+    tracing.event("started", attempt=job.attempts + 1, worker=worker)
+    tracing.job_span_hold(job.engine_id)
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
@@ -189,6 +227,7 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
         stats.count(f"attempt_failed:{reason}")
     finally:
         lost = active_leases.remove(job.engine_id)
+        tracing.job_span_drop(job.engine_id)
     finished = timezone.now()
     fields["finished_at"] = finished
     fields.update(
@@ -206,6 +245,8 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     )
     if fields["status"] == JobStatus.RETRYING:
         outcome = "retrying"
+    fields["timeline"] = tl.appended(tl.line(tl.FINISHED, fields["status"], at=finished))
+    tracing.event("finished", status=str(fields["status"]), lost=lost)
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):
@@ -238,7 +279,11 @@ def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
     """
     job_id, gen = split_engine_id(engine_id)
     moved = Job.objects.filter(id=job_id, generation=gen, status=JobStatus.RUNNING).update(
-        status=JobStatus.QUEUED, generation=gen + 1, admitted_at=None, worker=""
+        status=JobStatus.QUEUED,
+        generation=gen + 1,
+        admitted_at=None,
+        worker="",
+        timeline=tl.appended(tl.line(tl.REQUEUED, "worker shutting down")),
     )
     job_release(tag=tag, engine_id=engine_id)
     if moved:

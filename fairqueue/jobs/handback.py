@@ -21,6 +21,7 @@ from django.utils import timezone
 from pydantic import ValidationError
 
 from fairqueue.jobs import payloads, stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import class_level
 from fairqueue.jobs.broker import delivery_publish, delivery_route
 from fairqueue.jobs.dispatch import job_release_or_defer
@@ -94,6 +95,7 @@ def _fail(job: Job, reason: str, *, count: int, key: str) -> str:
             "error": f"No worker ran this job within {settings.FAIRQUEUE['HANDBACK_SECONDS']:g} s: handed back "
             f"{count} time(s); the last worker said {reason}.",
             "finished_at": timezone.now(),
+            "timeline": tl.appended(tl.line(tl.FINISHED, f"{JobStatus.FAILED} {UNKNOWN_TASK}")),
         },
     )
     redis_client().delete(key)

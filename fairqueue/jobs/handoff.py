@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from celery.worker import state as celery_state
 
 from fairqueue.engine import Woken
-from fairqueue.jobs.broker import BATCH_ROUTE, deliveries_ahead, delivery_queue
+from fairqueue.jobs.broker import BATCH_ROUTE, deliveries_ahead, delivery_queue, route_carry
 
 log = logging.getLogger("fairqueue.jobs.handoff")
 
@@ -65,7 +65,7 @@ def _celery_stopping() -> bool:
 
 def _fetch_rank(woken: Woken) -> tuple[bool, int]:
     """Classes first, highest (level 0) first; the batch lane last."""
-    route = woken.data
+    route = route_carry(woken.data)[0]
     return route == BATCH_ROUTE, int(route) if route.isdigit() else 0
 
 

@@ -17,6 +17,7 @@ import time
 import redis
 from django.conf import settings
 
+from fairqueue import tracing
 from fairqueue.jobs.runtime import engine
 
 log = logging.getLogger("fairqueue.jobs.leases")
@@ -101,6 +102,7 @@ class ActiveLeases:
                         with self._lock:
                             if engine_id in self._confirmed:
                                 self._confirmed[engine_id] = asked
+                        tracing.job_event(engine_id, "lease renewed")
                     else:
                         with self._lock:
                             self._lost.add(engine_id)

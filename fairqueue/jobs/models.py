@@ -75,6 +75,11 @@ class Job(models.Model):
     resources = models.CharField(
         max_length=300, blank=True, default="", help_text="Outside resources it calls, space-separated."
     )
+    # The submit request's W3C trace context (fairqueue.tracing): the job's later spans, in
+    # whatever process, join that trace. Empty when tracing was off.
+    traceparent = models.CharField(max_length=55, blank=True, default="")
+    # One line per lifecycle step, appended with each status change (fairqueue.jobs.timeline).
+    timeline = models.TextField(blank=True, default="")
     release_pending = models.BooleanField(
         default=False, help_text="Finished, but the engine could not be told yet: the reconciler frees its slots."
     )

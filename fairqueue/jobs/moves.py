@@ -26,6 +26,7 @@ import logging
 from django.db.models import QuerySet
 
 from fairqueue.jobs import live
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import KEY_SEPARATOR, UNFINISHED_STATUSES, Job, JobStatus
@@ -161,7 +162,12 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
             continue  # woken meanwhile: it now holds its slots at the old place
         outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
         if Job.objects.filter(id=job.id, generation=job.generation, status=JobStatus.PARKED).update(
-            generation=job.generation + 1, status=JobStatus.QUEUED, admitted_at=None, engine_tag=tag, engine_keys=keys
+            generation=job.generation + 1,
+            status=JobStatus.QUEUED,
+            admitted_at=None,
+            engine_tag=tag,
+            engine_keys=keys,
+            timeline=tl.appended(tl.line(tl.REQUEUED, f"moved to {tag}")),
         ):
             job.generation += 1
             job.status, job.admitted_at, job.engine_tag, job.engine_keys = JobStatus.QUEUED, None, tag, keys

@@ -32,7 +32,9 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
+from fairqueue import tracing
 from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.delays import due_time, is_deferred
 from fairqueue.jobs.dispatch import jobs_admit
@@ -169,6 +171,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         due_at=due_at if deferred else None,
         max_attempts=max_attempts,
         status=JobStatus.SCHEDULED if deferred else JobStatus.QUEUED,
+        traceparent=tracing.traceparent(),  # the submit request's span: the job's trace
     )
 
 
@@ -268,9 +271,13 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             return [r for r in results if r is not None]
         _offload_large_args(fresh)
         accepted_at = timezone.now()
+        steps = tl.line(tl.SUBMITTED, at=accepted_at) + tl.line(tl.ADMITTED, at=accepted_at)
         for job in fresh:
             if job.status == JobStatus.QUEUED:
                 job.admitted_at = accepted_at  # see the module docstring
+                job.timeline = steps
+            else:  # scheduled: admitted when due (fairqueue.jobs.due)
+                job.timeline = tl.line(tl.SUBMITTED, at=accepted_at)
         try:
             _insert(fresh)
         except IntegrityError as exc:
@@ -340,8 +347,13 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
 def _admission_pending(jobs: Sequence[Job]) -> None:
     """The admission did not happen: clear the mark the rows were written with, so the
     pending sweep admits them (if even this fails, the reconciler re-enters them)."""
+    admitted = {j.admitted_at for j in jobs if j.admitted_at is not None}
+    pending = tl.line(tl.PENDING, "not admitted at submit")
     try:
-        Job.objects.filter(id__in=[j.id for j in jobs], generation=0, status=JobStatus.QUEUED).update(admitted_at=None)
+        for at in admitted:  # one per submit: the rows' assumed admission, taken back
+            Job.objects.filter(
+                id__in=[j.id for j in jobs if j.admitted_at == at], generation=0, status=JobStatus.QUEUED
+            ).update(admitted_at=None, timeline=tl.replaced(tl.line(tl.ADMITTED, at=at), pending))
     except Exception:
         log.exception("could not mark %d job(s) for the pending sweep; the reconciler re-enters them", len(jobs))
     for job in jobs:

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0007_job_timeout"),
+        ("jobs", "0008_job_timeline"),
     ]
 
     operations = [
