@@ -148,6 +148,22 @@ class PressureTests(E2EBase):
         job_submit_bulk(tenant=hog, reqs=second)
         self.assertEqual(engine().inspect_key(tag=tag, key=key).limit, 16, "not pulled back to the bare formula")
 
+    def test_slots_held_at_a_place_moved_from_after_the_tick_still_count_against_its_limit(self) -> None:
+        make_tenant("mover", max_concurrency=3)
+        policy = policy_snapshot()
+        tenant = policy.tenants["mover"]
+        at_tick = LiveSignals(pool_slots=16, tick_limit=3)
+        self.assertEqual(tenant_limit_for(policy, tenant, at_tick).limit, 3)
+        # Moved after the tick, with 2 slots still held at the old place: 1 left here.
+        moved = LiveSignals(pool_slots=16, tick_limit=3, held_elsewhere=2)
+        self.assertEqual(tenant_limit_for(policy, tenant, moved).limit, 1)
+        # The next tick subtracted them itself (limit 1 with 2 held elsewhere): not twice.
+        ticked = LiveSignals(pool_slots=16, tick_limit=1, tick_held_elsewhere=2, held_elsewhere=2)
+        self.assertEqual(tenant_limit_for(policy, tenant, ticked).limit, 1)
+        # One of them finished since: the freed slot waits for the next tick, never more.
+        drained = LiveSignals(pool_slots=16, tick_limit=1, tick_held_elsewhere=2, held_elsewhere=1)
+        self.assertEqual(tenant_limit_for(policy, tenant, drained).limit, 1)
+
     def test_a_steady_tenant_earns_a_higher_base_than_a_bursty_one(self) -> None:
         steady, _ = make_tenant("steady", floor=1)
         bursty, _ = make_tenant("bursty", floor=1)

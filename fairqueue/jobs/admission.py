@@ -57,8 +57,10 @@ class LiveSignals:
     idle_share: int = 0  # this tenant's share of unheld slots, published by the worker tick
     fair_share: float | None = None  # its max-min fair share of the pool target, ditto
     shard_cap: int | None = None  # its cap where its shard binds (tenants.limits.shard_caps), ditto
-    # The limit the duty tick last set for the tenant (tenant_limit_for), ditto.
+    # The limit the duty tick last set for the tenant (tenant_limit_for), ditto, and the
+    # slots held elsewhere it subtracted (a move since then holds more: see tenant_limit_for).
     tick_limit: int | None = None
+    tick_held_elsewhere: int = 0
     # Slots the tenant (and its shard) still hold at a place they were moved away from
     # (fairqueue.jobs.moves): counted against the limit at the new place until they finish.
     held_elsewhere: int = 0
@@ -107,7 +109,9 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
         # process's own view of the pool, up to a second older: between ticks that pulled
         # an idle share or a shard cap back. Still within what the policy allows now (an
         # admin edit since the tick).
-        tick = signals.tick_limit
+        # A move after the tick (fairqueue.jobs.moves) holds slots at the old place that
+        # the tick's limit did not subtract yet; slots freed there since wait for the tick.
+        tick = max(0, signals.tick_limit - max(0, signals.held_elsewhere - signals.tick_held_elsewhere))
         if tenant.max_concurrency is not None:
             tick = min(tick, tenant.max_concurrency + tenant.dedicated)
         if tenant.shard in policy.shards:

@@ -187,7 +187,8 @@ def limits_refresh() -> int:
     # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
     # formula while the pool sat idle).
     limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
-    live.shares_publish(plan.idle, plan.fair, plan.caps, limits_set)
+    published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
+    live.shares_publish(plan.idle, plan.fair, plan.caps, published)
     woken = 0
     for shard_name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))

@@ -71,7 +71,7 @@ SHARES_KEY = "fq:{limits}:idle_share"  # HASH slug -> bonus; expires if no worke
 SHARES_TTL_SECONDS = 3
 FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of the pool target
 SHARD_CAPS_KEY = "fq:{limits}:shard_cap"  # HASH slug -> cap where its shard binds (tenants.limits.shard_caps)
-TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> the limit the duty tick last set
+TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> "<limit the tick set> <held elsewhere in it>"
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
 HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
@@ -106,6 +106,7 @@ class _TenantCache:
     fair_share: float | None = None
     shard_cap: int | None = None
     tick_limit: int | None = None
+    tick_held_elsewhere: int = 0
     durations: list[float] = field(default_factory=list)  # finished jobs not yet folded in
     means_flushed_at: float = 0.0
 
@@ -217,7 +218,7 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
         entry.idle_share = int(share or 0)
         entry.fair_share = float(fair) if fair is not None else None
         entry.shard_cap = int(cap) if cap is not None else None
-        entry.tick_limit = int(tick) if tick is not None else None
+        entry.tick_limit, entry.tick_held_elsewhere = tick_limit_parse(tick)
     counts = [int(c or 0) for c in ring]
     return rate_from_ring(counts, window_seconds=window), (float(mean) if mean else None)
 
@@ -300,6 +301,7 @@ def live_signals(*, tenant_slug: str) -> LiveSignals:
         fair_share=entry.fair_share,
         shard_cap=entry.shard_cap,
         tick_limit=entry.tick_limit,
+        tick_held_elsewhere=entry.tick_held_elsewhere,
         held_elsewhere=fleet.held_elsewhere.get(f"t:{tenant_slug}", 0),
         shard_held_elsewhere=fleet.held_elsewhere.get(f"s:{tenant.shard}", 0) if tenant else 0,
     )
@@ -319,11 +321,19 @@ def held_elsewhere_publish(held: dict[str, int], *, drop: list[str] | tuple[str,
     _fleet = dataclasses.replace(_fleet, held_elsewhere=merged)
 
 
+def tick_limit_parse(raw: str | bytes | None) -> tuple[int | None, int]:
+    """A TICK_LIMITS_KEY field: "<limit> <held elsewhere it subtracted>"."""
+    if raw is None:
+        return None, 0
+    limit, _, held = (raw.decode() if isinstance(raw, bytes) else raw).partition(" ")
+    return int(limit), int(held or 0)
+
+
 def shares_publish(
     idle: dict[str, int],
     fair: dict[str, float] | None = None,
     caps: dict[str, int] | None = None,
-    limits: dict[str, int] | None = None,
+    limits: dict[str, tuple[int, int]] | None = None,
 ) -> None:
     """Make the tick's idle shares, fair shares, shard caps and the limits it sets visible
     to every admitting process (one round trip); they expire if no worker ticks."""
@@ -335,7 +345,7 @@ def shares_publish(
         (SHARES_KEY, dict(idle)),
         (FAIR_SHARES_KEY, {k: f"{v:.3f}" for k, v in fair.items()}),
         (SHARD_CAPS_KEY, dict(caps)),
-        (TICK_LIMITS_KEY, dict(limits)),
+        (TICK_LIMITS_KEY, {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()}),
     )
     for key, values in published:
         pipe.delete(key)
@@ -348,7 +358,7 @@ def shares_publish(
             entry.idle_share = idle.get(slug, 0)
             entry.fair_share = fair.get(slug)
             entry.shard_cap = caps.get(slug)
-            entry.tick_limit = limits.get(slug)
+            entry.tick_limit, entry.tick_held_elsewhere = limits.get(slug, (None, 0))
 
 
 def live_invalidate() -> None:
