@@ -4,16 +4,12 @@ the configured and effective limit of a resource, updated live as it backs off."
 from __future__ import annotations
 
 import os
-import shutil
-from pathlib import Path
-
-from django.contrib.auth import get_user_model
 
 from tenants.models import Resource
 from tenants.policy import policy_invalidate, policy_snapshot
 from tenants.resource_limits import resource_refused
 from tests.base import RedisTransactionTestCase
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUTPUT
+from tests.browser import OUTPUT, chromium_launch, chromium_require, staff_create, staff_login
 from tests.web import web_server
 from tests.workers import wait_for
 
@@ -27,9 +23,8 @@ class ResourcesBrowserTests(RedisTransactionTestCase):
     def test_dashboard_shows_the_effective_limit_live(self) -> None:
         from playwright.sync_api import expect, sync_playwright  # optional: only browser tests need it
 
-        if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-            self.fail("Chromium is missing: `apt-get install chromium` (.ci/run does) to run the browser test")
-        get_user_model().objects.create_user("ops", password="pw-ops-123", is_staff=True)
+        chromium_require(self)
+        staff_create()
         Resource.objects.create(name="llm", limit=8, decrease_factor=0.5)
 
         def synced() -> bool:
@@ -41,16 +36,11 @@ class ResourcesBrowserTests(RedisTransactionTestCase):
         server = web_server(production=True, processes=1)
         server.start()
         self.addCleanup(server.stop)
-        OUTPUT.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+            browser = chromium_launch(pw)
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             try:
-                page.goto(f"{server.base_url}/admin/login/?next=/dashboard/")
-                page.fill("#id_username", "ops")
-                page.fill("#id_password", "pw-ops-123")
-                page.click("input[type=submit]")
-                page.wait_for_url(f"{server.base_url}/dashboard/")
+                staff_login(page, server.base_url, "/dashboard/")
                 row = page.locator("tr[data-resource=llm]")
                 expect(row.locator("td.configured")).to_have_text("8", timeout=15_000)
                 expect(row.locator("td.effective")).to_have_text("8")
