@@ -6,7 +6,7 @@ import logging
 
 from django.utils import timezone
 
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
@@ -39,5 +39,6 @@ def job_cancel(*, job: Job) -> Job:
     else:
         raise JobError(409, "not_cancellable", "The job keeps changing; retry the cancel.", None)
     stats.count("finished:cancelled")
+    cells.jobs_leave([str(job.id)])
     job_release_or_defer(job)
     return job

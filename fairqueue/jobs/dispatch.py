@@ -22,7 +22,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import Admission, AdmitRequest, Woken
-from fairqueue.jobs import live, stats
+from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs.admission import admission_plan, class_level, job_placement, shard_tag
 from fairqueue.jobs.broker import deliveries_publish, delivery_route, split_engine_id
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
@@ -176,6 +176,7 @@ def _jobs_admit(
         return
     now = timezone.now()
     pairs = list(zip(admitted_jobs, outcomes, strict=True))
+    was_parked = [str(j.id) for j, o in pairs if (o.admitted or o.not_ready) and j.status == JobStatus.PARKED]
     waiting = [j for j, o in pairs if o.not_ready]
     parked = [j for j, o in pairs if not o.admitted and not o.not_ready]
     go = [j for j, o in pairs if o.admitted]
@@ -187,6 +188,10 @@ def _jobs_admit(
         _update_where(parked, [JobStatus.QUEUED], status=JobStatus.PARKED, admitted_at=None)
     if go and not fresh:
         _update_where(go, WAITING, status=JobStatus.QUEUED, admitted_at=Coalesce("admitted_at", Value(now)))
+    if parked:
+        cells.jobs_place(parked, policy=policy, parked=True)
+    if was_parked:
+        cells.jobs_unpark(was_parked)
     for job, outcome in pairs:
         if outcome.admitted:
             if job.admitted_at is None:
@@ -231,6 +236,7 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         # slot held but idle. The claim accepts `parked` as well, so the order is safe.
         now = timezone.now()
         _publish([(w.job_id, w.data) for w in woken])
+        cells.jobs_unpark(split_engine_id(w.job_id)[0] for w in woken)
         for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
             Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
                 status=JobStatus.QUEUED, admitted_at=now
@@ -245,6 +251,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
     poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
     policy = policy_snapshot()
     again: list[Job] = []
+    failed: list[str] = []
     for engine_id in engine_ids:
         job_id, gen = split_engine_id(engine_id)
         with transaction.atomic():
@@ -270,6 +277,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)
+            if job.status == JobStatus.FAILED:
+                failed.append(str(job.id))
             job.save(
                 update_fields=[
                     "engine_tag",
@@ -284,6 +293,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                 ]
             )
         log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
+    cells.jobs_leave(failed)
+    cells.jobs_place(again, policy=policy)
     jobs_admit(again)
 
 

@@ -23,7 +23,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import Woken
-from fairqueue.jobs import handback, live, payloads, stats
+from fairqueue.jobs import cells, handback, live, payloads, stats
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
@@ -118,6 +118,7 @@ def _delivery_run(*, job_id: str, generation: int, worker: str, keep: KeepPick |
     )
     if not claimed:
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
+    cells.jobs_leave([str(job.id)])
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
@@ -190,5 +191,7 @@ def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
     )
     job_release(tag=tag, engine_id=engine_id)
     if moved:
-        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)))
+        again = list(Job.objects.select_related("tenant__shard").filter(id=job_id))
+        cells.jobs_place(again)
+        jobs_admit(again)
     return bool(moved)

@@ -44,7 +44,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from fairqueue.engine import TagHealth
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
@@ -85,6 +85,9 @@ def state_ensure() -> list[str]:
             continue
         if tag_rebuild(tag=tag, shard=shard, foreign=state is TagHealth.FOREIGN):
             rebuilt.append(tag)
+    if rebuilt:
+        # Whatever lost the engine's state may have lost the cells' updates too.
+        cells.cells_rebuild()
     return rebuilt
 
 

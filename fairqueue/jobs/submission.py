@@ -27,7 +27,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
-from fairqueue.jobs import live, payloads, stats
+from fairqueue.jobs import cells, live, payloads, stats
 from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
@@ -221,6 +221,7 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
         stats.count("submitted", len(jobs))
     except Exception:
         log.exception("could not count %d submission(s)", len(jobs))
+    cells.jobs_place(jobs, policy=policy)  # before the admission, which may park them
     try:
         jobs_admit(jobs, policy=policy, strict=True, fresh=True)
     except redis.RedisError:
