@@ -202,7 +202,10 @@ def limits_refresh() -> int:
     # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
     # formula while the pool sat idle).
     limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
-    live.shares_publish(plan.idle, plan.fair, plan.caps, limits_set)
+    if live.shares_publish(plan.idle, plan.fair, plan.caps, limits_set):
+        # What this process remembers sending may not hold either (another process ticked
+        # meanwhile, or Redis lost its data): send every limit this tick.
+        _pushed.limits.clear()
     wanted: dict[str, dict[str, int]] = {}
     for name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0))
