@@ -21,7 +21,7 @@ from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, shard_
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.limits_plan import limits_plan
-from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.retention import retention_due_prune
@@ -104,7 +104,7 @@ def batch_promote_due(*, limit: int = 200) -> int:
     cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
-        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED, submitted_at__lte=cutoff)
+        .filter(BATCH_DUE, submitted_at__lte=cutoff)
         .order_by("submitted_at")[:limit]
     )
     promoted = [job for job in due if batch_promote(job, policy=policy)]

@@ -23,6 +23,16 @@ UNFINISHED_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED, JobStatus.R
 KEY_SEPARATOR = " "
 
 
+# Partial-index conditions, each the exact filter of the query it serves (PostgreSQL uses a
+# partial index only where the query's WHERE implies its condition).
+ADMISSION_PENDING = models.Q(status=JobStatus.QUEUED, admitted_at__isnull=True)  # recovery.jobs_admit_pending
+BATCH_DUE = models.Q(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)  # duties.batch_promote_due
+PRUNABLE = models.Q(status__in=sorted(TERMINAL_STATUSES), release_pending=False)  # retention.prunable_jobs
+RECONCILED = models.Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | models.Q(
+    status=JobStatus.QUEUED, admitted_at__isnull=False
+)  # recovery.reconcile's candidates
+
+
 class Job(models.Model):
     """One submitted job. `generation` changes on every re-delivery, so stale messages lose."""
 
@@ -78,6 +88,13 @@ class Job(models.Model):
             models.Index(
                 fields=["release_pending"], condition=models.Q(release_pending=True), name="job_release_pending"
             ),
+            # The duty tick's queries (fairqueue.jobs.explain_queries checks their plans).
+            models.Index(fields=["submitted_at", "id"], condition=ADMISSION_PENDING, name="job_admission_pending"),
+            models.Index(fields=["submitted_at"], condition=BATCH_DUE, name="job_batch_waiting"),
+            models.Index(fields=["submitted_at", "id"], condition=RECONCILED, name="job_reconciled"),
+            models.Index(fields=["finished_at", "id"], condition=PRUNABLE, name="job_prunable"),
+            # The API's list: a tenant's jobs, newest first.
+            models.Index(fields=["tenant", "submitted_at", "id"], name="job_tenant_submitted"),
         ]
 
     def __str__(self) -> str:
