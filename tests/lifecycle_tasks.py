@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fairqueue.jobs.registry import JobContext, fairqueue_task
 from fairqueue.jobs.retry_policy import RetryPolicy
+from fairqueue.jobs.task_limits import TaskTimeout
 
 
 class TransientError(Exception):
@@ -55,3 +56,21 @@ def flaky(ctx: JobContext, args: FlakyArgs) -> dict[str, Any]:
 def flaky_patient(ctx: JobContext, args: FlakyArgs) -> dict[str, Any]:
     """test.flaky with an hour of backoff: a failed attempt stays `retrying`."""
     return _flaky(ctx, args)
+
+
+class SlowFirstArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# A timeout is an attempt's failure like any error: retried when the policy names it.
+TIMEOUT_POLICY = RetryPolicy(max_attempts=3, backoff_base_s=0.2, backoff_cap_s=0.5, retry_on=(TaskTimeout,))
+
+
+@fairqueue_task("test.slow_first", args=SlowFirstArgs, retry=TIMEOUT_POLICY, timeout_seconds=1.0)
+def slow_first(ctx: JobContext, args: SlowFirstArgs) -> dict[str, Any]:
+    """Runs past its 1 s limit on the first attempt (checking its deadline, as tasks in the
+    worker do), and at once on the next."""
+    while ctx.attempt == 1:
+        ctx.check_deadline()
+        time.sleep(0.05)
+    return {"attempt": ctx.attempt}

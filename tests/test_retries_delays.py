@@ -288,6 +288,16 @@ class RetryEndToEndTests(E2EBase):
         self.assertEqual(jobs[lowered].status, JobStatus.FAILED)
         self.assertEqual([a["status"] for a in jobs[lowered].attempt_history], ["failed", "failed"])
 
+    def test_an_attempt_past_its_timeout_is_retried_per_the_policy(self) -> None:
+        _, key = make_tenant("timed")
+        with WorkerProcess(slots=2, name="timed", **TASKS):
+            job_id = self.submit(key, {"task": "test.slow_first", "args": {}})["id"]
+            (job,) = self.wait_all_finished([job_id], timeout=60)
+        self.assertEqual(job.status, JobStatus.SUCCEEDED, job.error)
+        self.assertEqual(job.result, {"attempt": 2})
+        self.assertEqual([a["status"] for a in job.attempt_history], ["failed", "succeeded"])
+        self.assertIn("TaskTimeout", job.attempt_history[0]["error"])
+
     def test_a_retry_waits_its_turn_behind_jobs_already_parked(self) -> None:
         _, key = make_tenant("narrow", max_concurrency=1)
         with WorkerProcess(slots=3, name="turn", **TASKS):
