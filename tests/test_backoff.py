@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -20,6 +21,7 @@ from fairqueue.bench.backoff_run import WARM_UP_SECONDS, Workload, backoff_run, 
 from fairqueue.bench.upstream import FakeUpstream
 from fairqueue.jobs.admission import resource_key, shard_tag
 from fairqueue.jobs.demo_tasks import CallArgs, demo_call
+from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.registry import JobContext
 from fairqueue.jobs.resource_keys import resource_limits_refresh
@@ -107,6 +109,18 @@ class BackoffResourceTests(RedisTestCase):
         self.assertIn(resource_key("llm"), held.held_keys)
         key = engine().inspect_key(tag=shard_tag("default"), key=resource_key("llm"), holders=False)
         self.assertEqual((key.limit, key.held), (8, 1))
+
+    def test_a_delayed_job_keeps_its_resource_key_when_it_comes_due(self) -> None:
+        job = job_submit(
+            tenant=self.tenant,
+            req=JobRequest(task="demo.sleep", args={"seconds": 1}, resources=["llm"], delay_seconds=60),
+        ).job
+        self.assertEqual(job.status, JobStatus.SCHEDULED)
+        self.assertEqual(jobs_promote_due(now=job.due_at + timedelta(seconds=1)), 1)
+        job.refresh_from_db()
+        self.assertIn(resource_key("llm"), job.engine_key_names)
+        key = engine().inspect_key(tag=shard_tag("default"), key=resource_key("llm"), holders=False)
+        self.assertEqual(key.held, 1)
 
     def test_retry_after_pauses_the_key_until_then(self) -> None:
         resource_refused(self.resource, started_ms=None, retry_after_seconds=1.5)

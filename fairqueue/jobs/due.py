@@ -21,7 +21,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs import live, stats
-from fairqueue.jobs.admission import job_placement
+from fairqueue.jobs.admission import job_placement, known_resources
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import DEFERRED_STATUSES, KEY_SEPARATOR, Job, JobStatus
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -110,7 +110,12 @@ def _mark_queued(due: list[Job], policy: PolicySnapshot, marked_at: datetime) ->
         tag, keys, admitted_at = job.engine_tag, job.engine_keys, None
         tenant = policy.tenants.get(job.tenant.slug)
         if tenant is not None:  # else not admitted now: the pending sweep admits it once the policy is known
-            tag, names = job_placement(tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+            tag, names = job_placement(
+                tenant=tenant,
+                sub_tenant=job.sub_tenant,
+                batch=job.in_batch_lane,
+                resources=known_resources(policy, job.resource_names),
+            )
             keys, admitted_at = KEY_SEPARATOR.join(names), marked_at
         groups[(job.status, job.generation, tag, keys, admitted_at)].append(job)
     moved: set[Any] = set()
