@@ -58,8 +58,8 @@ from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
+from fairqueue.jobs.selectors import resources_explain
 from tenants.policy import PolicySnapshot, policy_snapshot
-from tenants.resource_limits import resource_limits_read
 
 BATCH_CLASS = "batch"  # pseudo-class of the batch lane in the grid
 HISTORY_LEN = 120  # ticks kept per cell (about two minutes at one tick per second)
@@ -268,20 +268,5 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
             fleet=fleet, target_utilisation=policy.pool.target_utilisation, with_history=with_history
         ),
         # Outside resources: configured limit, effective limit now (AIMD, 0 while paused).
-        "resources": resources_rows(policy),
+        "resources": resources_explain(policy),
     }
-
-
-def resources_rows(policy: PolicySnapshot) -> list[dict[str, Any]]:
-    states = resource_limits_read(policy.resources[name] for name in sorted(policy.resources))
-    return [
-        {
-            "name": name,
-            "limit": state.configured,
-            "effective": state.limit,
-            "effective_exact": round(state.effective, 3),
-            "paused_for_s": round((state.paused_until_ms - state.now_ms) / 1000, 1) if state.paused else None,
-            "refusals": state.refusals,
-        }
-        for name, state in states.items()
-    ]

@@ -141,7 +141,8 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
 
 
 def resources_explain(policy: PolicySnapshot) -> list[dict[str, Any]]:
-    """Each outside resource's configured and effective limit (tenants.resource_limits)."""
+    """Each outside resource's configured and effective limit (tenants.resource_limits), for
+    /api/v1/limits and the dashboard."""
     states = resource_limits_read(policy.resources[name] for name in sorted(policy.resources))
     return [
         {
@@ -150,6 +151,8 @@ def resources_explain(policy: PolicySnapshot) -> list[dict[str, Any]]:
             "effective": state.limit,
             "effective_exact": round(state.effective, 3),
             "paused_until": datetime.fromtimestamp(state.paused_until_ms / 1000, tz=UTC) if state.paused else None,
+            # The same, as the dashboard counts it down (null unless paused).
+            "paused_for_s": round((state.paused_until_ms - state.now_ms) / 1000, 1) if state.paused else None,
             "refusals": state.refusals,
         }
         for name, state in states.items()
