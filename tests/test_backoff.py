@@ -4,6 +4,7 @@ resource key of an admission, a retry-after's pause, the API, and a real worker 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -165,9 +166,12 @@ class BackoffResourceTests(RedisTestCase):
 
     def test_dashboard_snapshot_shows_configured_and_effective(self) -> None:
         resource_refused(self.resource, started_ms=None, retry_after_seconds=30)
-        [row] = snapshot_build(with_history=False)["resources"]
+        snapshot = snapshot_build(with_history=False)
+        [row] = snapshot["resources"]
         self.assertEqual((row["name"], row["limit"], row["effective"], row["effective_exact"]), ("llm", 8, 0, 4.0))
         self.assertGreater(row["paused_for_s"], 20)
+        # The consumer sends the snapshot as plain JSON: a paused resource must not break it.
+        self.assertEqual(json.loads(json.dumps(snapshot))["resources"][0]["paused_until"], row["paused_until"])
 
     def test_admin_shows_the_effective_limit(self) -> None:
         resource_refused(self.resource, started_ms=None, retry_after_seconds=None)

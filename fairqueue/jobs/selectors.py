@@ -150,7 +150,10 @@ def resources_explain(policy: PolicySnapshot) -> list[dict[str, Any]]:
             "limit": state.configured,
             "effective": state.limit,
             "effective_exact": round(state.effective, 3),
-            "paused_until": datetime.fromtimestamp(state.paused_until_ms / 1000, tz=UTC) if state.paused else None,
+            # ISO 8601 text rather than a datetime: the dashboard sends this list as JSON.
+            "paused_until": (
+                datetime.fromtimestamp(state.paused_until_ms / 1000, tz=UTC).isoformat() if state.paused else None
+            ),
             # The same, as the dashboard counts it down (null unless paused).
             "paused_for_s": round((state.paused_until_ms - state.now_ms) / 1000, 1) if state.paused else None,
             "refusals": state.refusals,
