@@ -306,7 +306,8 @@ class AdminEditTests(E2EBase):
         admin = Client()
         admin.force_login(staff)
         with WorkerProcess(slots=6):
-            ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 3.0}})["id"] for _ in range(6)]
+            # Long enough that none ends (and frees a slot for a fourth) while the test looks.
+            ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 8.0}})["id"] for _ in range(6)]
             wait_for(lambda: Job.objects.filter(status=JobStatus.RUNNING).count() == 1, message="one running")
             time.sleep(0.5)
             self.assertEqual(Job.objects.filter(status=JobStatus.RUNNING).count(), 1)
