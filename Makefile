@@ -45,9 +45,13 @@ typecheck: venv
 	$(VENV)/bin/mypy fairqueue/engine
 	$(VENV)/bin/mypy --config-file mypy-django.ini fairqueue tenants dashboard webhooks examples
 
+# The suite runs as TEST_SHARDS `manage.py test` processes side by side, each with its own
+# Redis server, test database and logs (scripts/test_shards.py); TEST_SHARDS=1 runs it as
+# one. `python manage.py test` runs it in one process too.
 TESTS ?= tests
+TEST_SHARDS ?= 3
 test: venv redis rabbitmq lint typecheck
-	$(PY) manage.py test --noinput --exclude-tag distributed $(TESTS)
+	$(PY) scripts/test_shards.py --shards $(TEST_SHARDS) $(TESTS) -- --noinput --exclude-tag distributed
 
 # The tests that start a Redis Cluster of their own (3 primaries + 3 replicas on free local
 # ports; FAIRQUEUE_TEST_CLUSTER_PORTS / FAIRQUEUE_CHAOS_CLUSTER_PORTS fix them), with the

@@ -120,6 +120,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         "timeout": 30,
     }
     DATABASES["default"]["CONN_MAX_AGE"] = 0  # connections go back to the pool, not closed
+    if env.str("FAIRQUEUE_TEST_DB_NAME", default=""):  # test shards side by side (scripts/test_shards.py)
+        DATABASES["default"]["TEST"] = {"NAME": env.str("FAIRQUEUE_TEST_DB_NAME")}
 else:
     # Persistent connections: Celery closes a connection after every task unless it may live
     # on, and reconnecting per job (with SQLite's pragmas) was a measurable share of its cost.

@@ -20,7 +20,8 @@ from fairqueue.engine.cluster import connect
 from fairqueue.jobs.fleet import SEEN_KEY
 
 ROOT = Path(__file__).resolve().parent.parent
-LOG_DIR = ROOT / "var" / "test-logs"
+# A test shard (scripts/test_shards.py) keeps its workers' logs apart.
+LOG_DIR = Path(os.environ.get("FAIRQUEUE_TEST_LOG_DIR") or ROOT / "var" / "test-logs")
 
 
 def worker_env(**overrides: str) -> dict[str, str]:
