@@ -14,12 +14,20 @@ daphne serving the real ASGI app), the same number of jobs goes through:
 No worker runs, so admitted jobs wait in the broker and the rest are parked: the cost
 measured is accepting a job, not running it. Each path uses its own tenant so that
 parked queues do not grow across paths.
+
+Tracing's cost is measured in the same run: each repetition is a pair of runs, one with
+tracing off and one with it on (`OTEL_TRACES_EXPORTER=in_memory` in the bench's process
+and its web server: spans are made and kept, not shipped), in alternating order so that
+the host's drift weighs on both alike. The figures per path (`paths`) are the median of
+the tracing-off runs; `tracing` holds each run, the medians and `on / off` ratios, both
+of the medians and per pair (the pair's two runs are minutes apart, not hours).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +39,8 @@ from fairqueue.bench import stack
 
 SIZES = {"default": 2000, "quick": 500, "smoke": 40}
 PATHS = ("http_single", "http_bulk", "service_single", "service_bulk", "send_task")
+DEFAULT_PAIRS = 2  # tracing off/on pairs; --smoke runs one
+TRACING_EXPORTER = "in_memory"  # spans made and kept in the process: the cost of making them
 
 Log = Any
 
@@ -41,6 +51,13 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer jobs")
     parser.add_argument("--smoke", action="store_true", help="a tiny run for tests: shape, not figures")
     parser.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help=f"tracing off/on pairs of runs, alternating (default {DEFAULT_PAIRS}; --smoke 1)",
+    )
+    parser.add_argument("--no-tracing", action="store_true", help="one run, tracing off: no on/off comparison")
     stack.add_redis_arguments(parser)
 
 
@@ -48,14 +65,59 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
     size = "smoke" if options["smoke"] else "quick" if options["quick"] else "default"
     jobs = options["jobs"] or SIZES[size]
     batch = min(max(options["batch"], 1), 1000)
-    return run(redis_url=options["redis_url"], jobs=jobs, batch=batch, force=options["force"], log=log)
+    pairs = max(options["pairs"] or (1 if options["smoke"] else DEFAULT_PAIRS), 1)
+    return run(
+        redis_url=options["redis_url"],
+        jobs=jobs,
+        batch=batch,
+        pairs=pairs,
+        tracing=not options["no_tracing"],
+        force=options["force"],
+        log=log,
+    )
 
 
-def run(*, redis_url: str, jobs: int, batch: int, force: bool = False, log: Log = print) -> dict[str, Any]:
+def run(
+    *,
+    redis_url: str,
+    jobs: int,
+    batch: int,
+    pairs: int = DEFAULT_PAIRS,
+    tracing: bool = True,
+    force: bool = False,
+    log: Log = print,
+) -> dict[str, Any]:
     stack.redis_db_prepare(redis_url, force=force)
     db_path = stack.BENCH_DIR / "submit.sqlite3"
-    env = stack.stack_env(redis_url=redis_url, db_path=db_path)
-    log(f"bench submit: {jobs} jobs per path, bulk batches of {batch}")
+    order = [mode for i in range(pairs) for mode in (("off", "on") if i % 2 == 0 else ("on", "off"))]
+    modes = order if tracing else ["off"]
+    log(f"bench submit: {jobs} jobs per path, bulk batches of {batch}; runs (tracing): {', '.join(modes)}")
+    runs: dict[str, list[dict[str, dict[str, float]]]] = {"off": [], "on": []}
+    for n, mode in enumerate(modes, start=1):
+        paths = _run_once(redis_url=redis_url, db_path=db_path, jobs=jobs, batch=batch, tracing=mode == "on")
+        runs[mode].append(paths)
+        log(
+            f"run {n}/{len(modes)} tracing {mode}: " + ", ".join(f"{p} {v['jobs_per_s']:.1f}" for p, v in paths.items())
+        )
+    doc: dict[str, Any] = {"jobs": jobs, "batch": batch, "paths": _median_run(runs["off"])}
+    send = doc["paths"]["send_task"]["jobs_per_s"]
+    doc["ratios_vs_send_task"] = {
+        p: round(v["jobs_per_s"] / send, 3) for p, v in doc["paths"].items() if p != "send_task" and send
+    }
+    log(f"{'path':<16} {'seconds':>9} {'jobs/s':>10} {'vs send_task':>13}")
+    for p, v in doc["paths"].items():
+        ratio = doc["ratios_vs_send_task"].get(p, 1.0)
+        log(f"{p:<16} {v['seconds']:>9.3f} {v['jobs_per_s']:>10.1f} {ratio:>12.3f}x")
+    if tracing:
+        doc["tracing"] = tracing_figures(runs)
+        _log_tracing(doc["tracing"], log)
+    return doc
+
+
+def _run_once(*, redis_url: str, db_path: Path, jobs: int, batch: int, tracing: bool) -> dict[str, dict[str, float]]:
+    """One child on a fresh database and an empty Redis database: each path's figures."""
+    exporter = TRACING_EXPORTER if tracing else "none"
+    env = stack.stack_env(redis_url=redis_url, db_path=db_path, OTEL_TRACES_EXPORTER=exporter)
     try:
         stack.fresh_database(db_path, env)
         with tempfile.TemporaryDirectory() as tmp:
@@ -66,15 +128,48 @@ def run(*, redis_url: str, jobs: int, batch: int, force: bool = False, log: Log 
             doc: dict[str, Any] = json.loads(out.read_text())
     finally:
         stack.redis_db_flush(redis_url)
-    send = doc["paths"]["send_task"]["jobs_per_s"]
-    doc["ratios_vs_send_task"] = {
-        p: round(v["jobs_per_s"] / send, 3) for p, v in doc["paths"].items() if p != "send_task" and send
+    if doc["tracing"] != tracing:
+        raise stack.StackError(f"the bench's child ran with tracing {'on' if doc['tracing'] else 'off'}, not as asked")
+    paths: dict[str, dict[str, float]] = doc["paths"]
+    return paths
+
+
+def _median_run(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per path, the run with the median throughput (the lower middle of an even count)."""
+    out = {}
+    for path in runs[0]:
+        ranked = sorted((r[path] for r in runs), key=lambda v: v["jobs_per_s"])
+        out[path] = ranked[(len(ranked) - 1) // 2]
+    return out
+
+
+def tracing_figures(runs: dict[str, list[dict[str, dict[str, float]]]]) -> dict[str, Any]:
+    """Jobs/s per path and run with tracing off and on, their medians and `on / off`
+    ratios: of the medians, and of each pair's runs (run i off against run i on)."""
+    per_run = {mode: {p: [r[p]["jobs_per_s"] for r in rs] for p in PATHS} for mode, rs in runs.items()}
+    median = {mode: {p: statistics.median(v) for p, v in paths.items()} for mode, paths in per_run.items()}
+    pair_ratios = {
+        p: [round(on / off, 3) for off, on in zip(per_run["off"][p], per_run["on"][p], strict=True) if off]
+        for p in PATHS
     }
-    log(f"{'path':<16} {'seconds':>9} {'jobs/s':>10} {'vs send_task':>13}")
-    for p, v in doc["paths"].items():
-        ratio = doc["ratios_vs_send_task"].get(p, 1.0)
-        log(f"{p:<16} {v['seconds']:>9.3f} {v['jobs_per_s']:>10.1f} {ratio:>12.3f}x")
-    return doc
+    return {
+        "exporter": TRACING_EXPORTER,
+        "pairs": len(runs["on"]),
+        "jobs_per_s": per_run,
+        "median_jobs_per_s": median,
+        "ratio_on_vs_off": {p: round(median["on"][p] / median["off"][p], 3) for p in PATHS if median["off"][p]},
+        "pair_ratios": pair_ratios,
+        "median_pair_ratio": {p: round(statistics.median(r), 3) for p, r in pair_ratios.items() if r},
+    }
+
+
+def _log_tracing(figures: dict[str, Any], log: Log) -> None:
+    log(f"tracing on ({figures['exporter']} exporter) vs off, {figures['pairs']} pair(s), median jobs/s:")
+    log(f"{'path':<16} {'off':>10} {'on':>10} {'on/off':>8} per pair")
+    for p in PATHS:
+        off, on = figures["median_jobs_per_s"]["off"][p], figures["median_jobs_per_s"]["on"][p]
+        pairs = " ".join(f"{r:.3f}" for r in figures["pair_ratios"][p])
+        log(f"{p:<16} {off:>10.1f} {on:>10.1f} {figures['ratio_on_vs_off'].get(p, 0.0):>8.3f} {pairs}")
 
 
 # --- the child process (Django configured for the bench's stack) ----------------------------------
@@ -96,6 +191,7 @@ def child_main(jobs: int, batch: int, out_path: str) -> None:
     import requests
     from django.db import connections
 
+    from fairqueue import tracing
     from fairqueue.bench.tasks import PLAIN_TASK_NAME
     from fairqueue.celery import app
     from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
@@ -156,7 +252,8 @@ def child_main(jobs: int, batch: int, out_path: str) -> None:
             app.send_task(PLAIN_TASK_NAME, args=[uuid.uuid4().hex, 0.01], queue="fq.bench-submit") for _ in range(jobs)
         ],
     )
-    Path(out_path).write_text(json.dumps({"jobs": jobs, "batch": batch, "paths": results}))
+    doc = {"jobs": jobs, "batch": batch, "tracing": tracing.tracing_enabled(), "paths": results}
+    Path(out_path).write_text(json.dumps(doc))
 
 
 def _env() -> dict[str, str]:
