@@ -185,13 +185,15 @@ def _admissions_trace(
     """The admission in each job's trace, spanning the engine call that admitted the batch
     (one round trip). The jobs of one request (a bulk submit) share its trace: they get one
     span there that names each job (`job_ids`, with `outcomes` and `parked_on` in the same
-    order), not a span each, which would cost more than the rest of a bulk job's admission."""
+    order), not a span each, which would cost more than the rest of a bulk job's admission.
+    Jobs with no trace (submitted with tracing off, or by a caller outside any span) share
+    one span in the current context."""
     end_ns = time.time_ns()
     by_trace: defaultdict[str, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         by_trace[job.traceparent].append(i)
     for parent, members in by_trace.items():
-        if len(members) == 1 or not parent:  # a trace of its own (or none yet): a span per job
+        if len(members) == 1:
             for i in members:
                 _admission_span(
                     jobs[i], plans[i], outcomes[i], policy=policy, start_ns=start_ns, end_ns=end_ns, running=running
