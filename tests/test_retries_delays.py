@@ -16,6 +16,7 @@ from django.test import SimpleTestCase
 from django.urls import reverse
 
 from dashboard.snapshot import snapshot_build
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.due import due_rows, jobs_promote_due
 from fairqueue.jobs.execution import job_execute
@@ -221,6 +222,26 @@ class DuePromotionTests(ApiTestCase):
         self.assertIn("attempt 2", done["error"])
         self.assertIsNone(done["attempt_history"][-1]["retry_at"])
         self.assertIsNotNone(done["finished_at"])
+        # Its timeline: the failed attempt and the retry it scheduled, the re-admission when
+        # due, and `finished` only once, for the terminal failure.
+        steps = tl.steps(Job.objects.get(id=job["id"]).timeline)
+        self.assertEqual(
+            [s.event for s in steps],
+            [
+                tl.SUBMITTED,
+                tl.ADMITTED,
+                tl.STARTED,
+                tl.ATTEMPT_FAILED,
+                tl.RETRY_SCHEDULED,
+                tl.ADMITTED,
+                tl.STARTED,
+                tl.FINISHED,
+            ],
+        )
+        self.assertEqual(steps[3].detail, "1 exception")
+        due_ms = row.due_at.replace(microsecond=row.due_at.microsecond // 1000 * 1000)  # the line's precision
+        self.assertEqual(datetime.fromisoformat(steps[4].detail), due_ms)
+        self.assertEqual(steps[-1].detail, "failed")
 
     def test_cancelling_a_retrying_job(self) -> None:
         job = self.submit({"task": "test.flaky_patient", "args": {"fail_times": 9}})

@@ -147,6 +147,63 @@ class TracingEndToEndTests(E2EBase):
             [s.event for s in tl.steps(job.timeline)], [tl.SUBMITTED, tl.ADMITTED, tl.STARTED, tl.FINISHED]
         )
 
+    def test_a_bulk_submit_is_one_admission_span_and_each_job_a_connected_chain_in_its_trace(self) -> None:
+        # One request, one trace: its jobs' admission is one span naming each job (not a span
+        # per job); each job's publish, run and release still hang off that trace, and the
+        # job that parked has its wait, ended by a sibling's release.
+        _, key = _tenant("bulky", max_concurrency=2)
+        with self.running():
+            body = {"task": "demo.sleep", "args": {"seconds": 1.0}}
+            resp = self.client.post(
+                "/api/v1/jobs/bulk",
+                json.dumps({"jobs": [body, body, body]}),
+                content_type="application/json",
+                HTTP_AUTHORIZATION=f"Bearer {key}",
+            )
+            self.assertEqual(resp.status_code, 202, resp.content)
+            ids = [j["id"] for j in resp.json()]
+            jobs = self.wait_all_finished(ids)
+            self.assertEqual({j.status for j in jobs}, {JobStatus.SUCCEEDED})
+            self.assertEqual(len({j.traceparent for j in jobs}), 1, "one request, one trace")
+            trace_id = _trace_id(jobs[0])
+
+            def arrived() -> list[ReceivedSpan] | None:
+                spans = [s for s in self.receiver.spans() if s.trace_id == trace_id]
+                releases = [s for s in spans if s.name == "fairqueue.release"]
+                return spans if len(releases) == len(ids) else None
+
+            spans = sorted(wait_for(arrived, timeout=60, message="the bulk's spans"), key=lambda s: s.start_ns)
+        self.assertConnected(spans)
+        admissions = [s for s in spans if s.name == "fairqueue.admission"]
+        self.assertEqual(len(admissions), 1, [s.attributes for s in admissions])
+        admission = admissions[0]
+        self.assertEqual(admission.parent_id, spans[0].span_id)  # the request
+        attrs = admission.attributes
+        self.assertEqual(attrs["fairqueue.job_ids"], ids)
+        self.assertEqual(attrs["fairqueue.outcomes"], ["admitted", "admitted", "parked"])
+        self.assertEqual(attrs["fairqueue.parked_on"], ["", "", "2:t:bulky"])
+        self.assertEqual((attrs["fairqueue.jobs"], attrs["fairqueue.admitted"], attrs["fairqueue.parked"]), (3, 2, 1))
+        self.assertEqual(attrs["fairqueue.tenant"], "bulky")
+        self.assertIn("2:t:bulky", attrs["fairqueue.keys"])
+        self.assertEqual(
+            admission.events,
+            [("admitted", {"fairqueue.jobs": 2}), ("parked", {"fairqueue.key": "2:t:bulky", "fairqueue.jobs": 1})],
+        )
+        by_id = {s.span_id: s for s in spans}
+        for job_id in ids[:2]:  # (the third may run in place, handed its slot: no broker spans)
+            run = _by_name(spans, "fairqueue.run", job_id=job_id)
+            release = _by_name(spans, "fairqueue.release", job_id=job_id)
+            consume = by_id[run.parent_id]
+            publish = by_id[consume.parent_id]
+            self.assertEqual((consume.name, publish.name), ("run/fairqueue.run_job", "apply_async/fairqueue.run_job"))
+            self.assertLessEqual(admission.start_ns, publish.start_ns)
+            self.assertLessEqual(run.start_ns, release.start_ns)
+        wait = _by_name(spans, "fairqueue.wait", job_id=ids[2])
+        woke = [s for s in spans if s.name == "fairqueue.release" and s.attributes["fairqueue.woken"] == 1]
+        self.assertEqual(len(woke), 1)
+        self.assertEqual(wait.links, [(woke[0].trace_id, woke[0].span_id)])
+        self.assertLessEqual(wait.end_ns, _by_name(spans, "fairqueue.run", job_id=ids[2]).start_ns)
+
     def test_a_submit_served_over_asgi_is_traced_too(self) -> None:
         # Production serves Django over ASGI (daphne, uvicorn): Django's instrumentation
         # traces those requests only with the ASGI instrumentation installed beside it.

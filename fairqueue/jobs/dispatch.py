@@ -182,40 +182,129 @@ def _admissions_trace(
     start_ns: int,
     running: bool,
 ) -> None:
-    """One admission span per job, in its own trace, spanning the engine call that
-    admitted them all (one round trip for the batch)."""
+    """The admission in each job's trace, spanning the engine call that admitted the batch
+    (one round trip). The jobs of one request (a bulk submit) share its trace: they get one
+    span there that names each job (`job_ids`, with `outcomes` and `parked_on` in the same
+    order), not a span each, which would cost more than the rest of a bulk job's admission.
+    Jobs with no trace (submitted with tracing off, or by a caller outside any span) share
+    one span in the current context."""
     end_ns = time.time_ns()
-    for job, plan, outcome in zip(jobs, plans, outcomes, strict=True):
-        if outcome.admitted:
-            result = "admitted"
-        elif outcome.not_ready:
-            result = "not_ready"
-        else:
-            result = "parked"
-        tp = policy.tenants.get(job.tenant.slug)
-        tracing.span_record(
-            "fairqueue.admission",
-            parent=job.traceparent,
+    by_trace: defaultdict[str, list[int]] = defaultdict(list)
+    for i, job in enumerate(jobs):
+        by_trace[job.traceparent].append(i)
+    for parent, members in by_trace.items():
+        if len(members) == 1:
+            for i in members:
+                _admission_span(
+                    jobs[i], plans[i], outcomes[i], policy=policy, start_ns=start_ns, end_ns=end_ns, running=running
+                )
+            continue
+        _admissions_span(
+            parent,
+            [jobs[i] for i in members],
+            [plans[i] for i in members],
+            [outcomes[i] for i in members],
+            policy=policy,
             start_ns=start_ns,
             end_ns=end_ns,
-            events=[(result, {"key": outcome.parked_on, "position": outcome.position})],
-            job_id=str(job.id),
-            generation=job.generation,
-            tenant=job.tenant.slug,
-            sub_tenant=job.sub_tenant or None,
-            shard=tp.shard if tp is not None else None,
-            latency_class=job.latency_class,
-            batch=job.in_batch_lane,
-            keys=[k.name for k in plan.keys],
-            limits=[k.limit for k in plan.keys],
-            priority=plan.priority,
-            outcome=result,
-            parked_on=outcome.parked_on,
-            position=outcome.position,
-            woken=len(outcome.woken),
-            reclaimed=len(outcome.reclaimed),
-            rebuild=running or None,
+            running=running,
         )
+
+
+def _outcome_name(outcome: Admission) -> str:
+    if outcome.admitted:
+        return "admitted"
+    return "not_ready" if outcome.not_ready else "parked"
+
+
+def _admission_span(
+    job: Job,
+    plan: AdmissionPlan,
+    outcome: Admission,
+    *,
+    policy: PolicySnapshot,
+    start_ns: int,
+    end_ns: int,
+    running: bool,
+) -> None:
+    result = _outcome_name(outcome)
+    tp = policy.tenants.get(job.tenant.slug)
+    tracing.span_record(
+        "fairqueue.admission",
+        parent=job.traceparent,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        events=[(result, {"key": outcome.parked_on, "position": outcome.position})],
+        job_id=str(job.id),
+        generation=job.generation,
+        tenant=job.tenant.slug,
+        sub_tenant=job.sub_tenant or None,
+        shard=tp.shard if tp is not None else None,
+        latency_class=job.latency_class,
+        batch=job.in_batch_lane,
+        keys=[k.name for k in plan.keys],
+        limits=[k.limit for k in plan.keys],
+        priority=plan.priority,
+        outcome=result,
+        parked_on=outcome.parked_on,
+        position=outcome.position,
+        woken=len(outcome.woken),
+        reclaimed=len(outcome.reclaimed),
+        rebuild=running or None,
+    )
+
+
+def _uniform(values: Iterable[Any]) -> Any:
+    """One value if all are the same, else the distinct ones in order (span attributes)."""
+    distinct = list(dict.fromkeys(values))
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
+def _admissions_span(
+    parent: str,
+    jobs: Sequence[Job],
+    plans: Sequence[AdmissionPlan],
+    outcomes: Sequence[Admission],
+    *,
+    policy: PolicySnapshot,
+    start_ns: int,
+    end_ns: int,
+    running: bool,
+) -> None:
+    """One admission span for the jobs of one trace: per job only its id, outcome and the
+    key it parked on; what they share once; an event per (outcome, key) with its count."""
+    results = [_outcome_name(o) for o in outcomes]
+    counts: defaultdict[tuple[str, str], int] = defaultdict(int)
+    for result, outcome in zip(results, outcomes, strict=True):
+        counts[(result, outcome.parked_on or "")] += 1
+    limits = {k.name: k.limit for plan in plans for k in plan.keys}  # the limits passed, per key
+    tenant_policies = {j.tenant.slug: policy.tenants.get(j.tenant.slug) for j in jobs}
+    tracing.span_record(
+        "fairqueue.admission",
+        parent=parent,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        events=[(result, {"key": key or None, "jobs": n}) for (result, key), n in counts.items()],
+        jobs=len(jobs),
+        job_ids=[str(j.id) for j in jobs],
+        generation=_uniform(j.generation for j in jobs),
+        tenant=_uniform(tenant_policies),
+        sub_tenant=_uniform(j.sub_tenant for j in jobs) or None,
+        shard=_uniform(tp.shard for tp in tenant_policies.values() if tp is not None) or None,
+        latency_class=_uniform(j.latency_class for j in jobs),
+        batch=_uniform(j.in_batch_lane for j in jobs),
+        keys=list(limits),
+        limits=list(limits.values()),
+        priority=_uniform(p.priority for p in plans),
+        outcomes=results,
+        parked_on=[o.parked_on or "" for o in outcomes],
+        admitted=results.count("admitted"),
+        parked=results.count("parked"),
+        not_ready=results.count("not_ready") or None,
+        woken=sum(len(o.woken) for o in outcomes),
+        reclaimed=sum(len(o.reclaimed) for o in outcomes),
+        rebuild=running or None,
+    )
 
 
 def _jobs_admit(

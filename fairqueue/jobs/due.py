@@ -21,6 +21,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs import live, stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import job_placement, known_resources
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import DEFERRED_STATUSES, KEY_SEPARATOR, Job, JobStatus
@@ -87,16 +88,19 @@ def _admit(jobs: list[Job], policy: PolicySnapshot) -> None:
         jobs_admit(jobs, policy=policy, strict=True, fresh=True)
     except Exception:
         log.warning("%d due job(s) not admitted now; the pending sweep admits them", len(jobs), exc_info=True)
-        for generation, group in _by_generation(jobs).items():
+        pending = tl.line(tl.PENDING, "not admitted when due")
+        for (generation, at), group in _by_generation(jobs).items():
             Job.objects.filter(id__in=[j.id for j in group], generation=generation, status=JobStatus.QUEUED).update(
-                admitted_at=None
+                admitted_at=None,
+                timeline=tl.replaced(tl.line(tl.ADMITTED, at=at), pending) if at is not None else tl.appended(pending),
             )
 
 
-def _by_generation(jobs: list[Job]) -> dict[int, list[Job]]:
-    groups: defaultdict[int, list[Job]] = defaultdict(list)
+def _by_generation(jobs: list[Job]) -> dict[tuple[int, datetime | None], list[Job]]:
+    """`jobs` by (generation, the admission they were marked with)."""
+    groups: defaultdict[tuple[int, datetime | None], list[Job]] = defaultdict(list)
     for job in jobs:
-        groups[job.generation].append(job)
+        groups[(job.generation, job.admitted_at)].append(job)
     return groups
 
 
@@ -122,12 +126,16 @@ def _mark_queued(due: list[Job], policy: PolicySnapshot, marked_at: datetime) ->
     for (status, generation, tag, keys, admitted_at), jobs in groups.items():
         new_generation = generation + 1 if status == JobStatus.RETRYING else generation
         ids = [j.id for j in jobs]
+        # Marked admitted, the row says so in its timeline in the same UPDATE (a park
+        # rewrites the line, as at submit; fairqueue.jobs.dispatch).
+        step = {"timeline": tl.appended(tl.line(tl.ADMITTED, at=admitted_at))} if admitted_at is not None else {}
         won = Job.objects.filter(id__in=ids, status=status, generation=generation).update(
             status=JobStatus.QUEUED,
             generation=new_generation,
             admitted_at=admitted_at,
             engine_tag=tag,
             engine_keys=keys,
+            **step,
         )
         if won == len(ids):
             winners = set(ids)

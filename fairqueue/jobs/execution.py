@@ -245,8 +245,16 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
     )
     if fields["status"] == JobStatus.RETRYING:
         outcome = "retrying"
-    fields["timeline"] = tl.appended(tl.line(tl.FINISHED, fields["status"], at=finished))
-    tracing.event("finished", status=str(fields["status"]), lost=lost)
+        due_at = fields["due_at"].isoformat(timespec="milliseconds")
+        fields["timeline"] = tl.appended(
+            tl.line(tl.ATTEMPT_FAILED, f"{job.attempts} {fields['error_reason']}", at=finished),
+            tl.line(tl.RETRY_SCHEDULED, due_at, at=finished),
+        )
+        tracing.event("attempt failed", attempt=job.attempts, reason=fields["error_reason"], lost=lost)
+        tracing.event("retry scheduled", due_at=due_at)
+    else:
+        fields["timeline"] = tl.appended(tl.line(tl.FINISHED, fields["status"], at=finished))
+        tracing.event("finished", status=str(fields["status"]), lost=lost)
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):

@@ -82,8 +82,11 @@ class SubmitResult:
 # --- validation ------------------------------------------------------------------------
 
 
-def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str, now: datetime) -> Job:
-    """Validate one request completely and build its (unsaved) row; raises JobError."""
+def _prepare(
+    *, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str, now: datetime, traceparent: str
+) -> Job:
+    """Validate one request completely and build its (unsaved) row; raises JobError.
+    `traceparent`: the submit request's span, the job's trace ("" with tracing off)."""
     registered = task_get(req.task)
     if registered is None:
         raise JobError(400, "unknown_task", f"Unknown task {req.task!r}.", f"{where}task")
@@ -171,7 +174,7 @@ def _prepare(*, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: 
         due_at=due_at if deferred else None,
         max_attempts=max_attempts,
         status=JobStatus.SCHEDULED if deferred else JobStatus.QUEUED,
-        traceparent=tracing.traceparent(),  # the submit request's span: the job's trace
+        traceparent=traceparent,
     )
 
 
@@ -252,6 +255,7 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
     keys = [r.idempotency_key for r in reqs if r.idempotency_key is not None]
     if len(keys) != len(set(keys)):
         raise JobError(400, "duplicate_idempotency_key", "Two jobs in one request share an idempotency key.", "jobs")
+    traceparent = tracing.traceparent()  # one request, one trace: read once for all its jobs
     for attempt in range(IDEMPOTENCY_RACE_RETRIES + 1):
         existing: dict[str, Job] = {}
         if keys:
@@ -263,9 +267,8 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             if req.idempotency_key is not None and req.idempotency_key in existing:
                 results.append(SubmitResult(existing[req.idempotency_key], created=False))
                 continue
-            fresh.append(
-                _prepare(tenant=tenant, policy=policy, req=req, where="" if single else f"jobs[{i}].", now=now)
-            )
+            where = "" if single else f"jobs[{i}]."
+            fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where=where, now=now, traceparent=traceparent))
             results.append(None)
         if not fresh:
             return [r for r in results if r is not None]

@@ -23,7 +23,11 @@ PENDING = "pending"  # accepted, waiting for the engine (Redis unreachable, stat
 STARTED = "started"
 RECLAIMED = "reclaimed"
 REQUEUED = "requeued"
-FINISHED = "finished"
+# An attempt that failed and will be tried again: the job is not finished, it waits for
+# its backoff (`retry_scheduled <due time>`), then the due promotion admits it again.
+ATTEMPT_FAILED = "attempt_failed"
+RETRY_SCHEDULED = "retry_scheduled"
+FINISHED = "finished"  # terminal states only
 
 
 @dataclass(frozen=True)
