@@ -11,6 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from django.conf import settings
 from django.test import Client, override_settings
@@ -162,6 +163,40 @@ class TargetTests(RedisTestCase):
             resp = wait_for(lambda: (r := submit("http://127.0.0.1:9/hook")).status_code == 202 and r, timeout=10)
             self.assertEqual(resp.json()["callback_url"], "http://127.0.0.1:9/hook")
         self.assertEqual(Job.objects.count(), 1)  # the refused submits wrote nothing
+
+    def test_a_bulk_looks_each_callback_url_up_once_and_names_the_job_it_refuses(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            tenant, key = make_tenant("hooked")
+            tenant.rotate_webhook_secret()
+            tenant.save(update_fields=["webhook_secret", "webhook_secret_rotated_at", "updated_at"])
+        hook = "http://localhost:9/hook"
+        jobs = [{"task": "demo.noop", "callback_url": hook} for _ in range(40)]
+        lookups: list[str] = []
+        real_getaddrinfo = socket.getaddrinfo
+
+        def counted(host: Any, *args: Any, **kwargs: Any) -> Any:  # the real lookup, counted
+            lookups.append(host)
+            return real_getaddrinfo(host, *args, **kwargs)
+
+        def bulk(body: list[dict[str, Any]]) -> Any:
+            return Client().post(
+                "/api/v1/jobs/bulk",
+                json.dumps({"jobs": body}),
+                content_type="application/json",
+                HTTP_AUTHORIZATION=f"Bearer {key}",
+            )
+
+        with (
+            override_settings(FAIRQUEUE=_webhooks(ALLOWED_NETWORKS=LOOPBACK)),
+            patch.object(socket, "getaddrinfo", counted),
+        ):
+            resp = wait_for(lambda: (r := bulk(jobs)).status_code == 202 and r, timeout=10)
+            # One lookup for the forty jobs (Redis clients look their own host up too).
+            self.assertEqual(lookups.count("localhost"), 1)
+            resp = bulk([*jobs[:3], {"task": "demo.noop", "callback_url": "http://169.254.169.254/x"}])
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["error"]["field"], "jobs[3].callback_url")
+        self.assertEqual(Job.objects.count(), 40)  # the refused bulk wrote nothing
 
     def test_a_job_failed_by_the_poison_pill_limit_gets_its_event_with_the_status(self) -> None:
         with self.captureOnCommitCallbacks(execute=True):

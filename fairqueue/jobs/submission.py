@@ -19,10 +19,11 @@ A job asked to start later (`run_at` / `delay_seconds`, fairqueue.jobs.delays) i
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -82,11 +83,22 @@ class SubmitResult:
 # --- validation ------------------------------------------------------------------------
 
 
+CallbackCheck = Callable[[str], str | None]
+
+
 def _prepare(
-    *, tenant: Tenant, policy: PolicySnapshot, req: JobRequest, where: str, now: datetime, traceparent: str
+    *,
+    tenant: Tenant,
+    policy: PolicySnapshot,
+    req: JobRequest,
+    where: str,
+    now: datetime,
+    traceparent: str,
+    callback_refusal: CallbackCheck,
 ) -> Job:
     """Validate one request completely and build its (unsaved) row; raises JobError.
-    `traceparent`: the submit request's span, the job's trace ("" with tracing off)."""
+    `traceparent`: the submit request's span, the job's trace ("" with tracing off);
+    `callback_refusal`: why a callback URL is refused (None when it is not)."""
     registered = task_get(req.task)
     if registered is None:
         raise JobError(400, "unknown_task", f"Unknown task {req.task!r}.", f"{where}task")
@@ -136,7 +148,7 @@ def _prepare(
                 f"{where}timeout_seconds",
             )
     if req.callback_url is not None:
-        _check_callback_url(tenant, req.callback_url, where)
+        _check_callback_url(tenant, req.callback_url, where, callback_refusal)
     resources = _resources(registered.resources, req.resources, policy=policy, where=where)
     allowed = registered.retry.max_attempts
     max_attempts = allowed if req.max_attempts is None else req.max_attempts
@@ -178,12 +190,22 @@ def _prepare(
     )
 
 
-def _check_callback_url(tenant: Tenant, url: str, where: str) -> None:
-    """A job's own webhook target: a public http(s) URL, signed with the tenant's secret."""
+def callback_refusal(url: str) -> str | None:
+    """Why `url` may not be a job's webhook target (None when it may): the SSRF guard's
+    check, a DNS lookup. A bulk request memoizes it, so one URL costs one lookup per
+    request however many jobs name it; the sender checks again at delivery."""
     try:
         target_resolve(url)
     except TargetRefused as exc:
-        raise JobError(400, "invalid_callback_url", f"callback_url: {exc}", f"{where}callback_url") from None
+        return str(exc)
+    return None
+
+
+def _check_callback_url(tenant: Tenant, url: str, where: str, refusal_of: CallbackCheck) -> None:
+    """A job's own webhook target: a public http(s) URL, signed with the tenant's secret."""
+    refusal = refusal_of(url)
+    if refusal is not None:
+        raise JobError(400, "invalid_callback_url", f"callback_url: {refusal}", f"{where}callback_url")
     if not tenant.webhook_secret:
         raise JobError(
             400,
@@ -256,6 +278,7 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
     if len(keys) != len(set(keys)):
         raise JobError(400, "duplicate_idempotency_key", "Two jobs in one request share an idempotency key.", "jobs")
     traceparent = tracing.traceparent()  # one request, one trace: read once for all its jobs
+    refusal_of = functools.cache(callback_refusal)
     for attempt in range(IDEMPOTENCY_RACE_RETRIES + 1):
         existing: dict[str, Job] = {}
         if keys:
@@ -268,7 +291,17 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
                 results.append(SubmitResult(existing[req.idempotency_key], created=False))
                 continue
             where = "" if single else f"jobs[{i}]."
-            fresh.append(_prepare(tenant=tenant, policy=policy, req=req, where=where, now=now, traceparent=traceparent))
+            fresh.append(
+                _prepare(
+                    tenant=tenant,
+                    policy=policy,
+                    req=req,
+                    where=where,
+                    now=now,
+                    traceparent=traceparent,
+                    callback_refusal=refusal_of,
+                )
+            )
             results.append(None)
         if not fresh:
             return [r for r in results if r is not None]
