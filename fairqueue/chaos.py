@@ -29,7 +29,10 @@ the failover window, where lost admissions can let a slot be given twice.
 
 Checks once the system is quiet (every accepted job terminal, or a timeout):
 - accepted == succeeded, lost == 0 (accepted but not terminal, or missing);
-- duplicated == 0: no demo ledger row written more than once, and every succeeded job wrote one;
+- duplicated == 0: no demo ledger row reached more often than the job's runs allow (once,
+  plus once per attempt lost with its worker: such a run may have written its side effect
+  before the kill, and the re-run meets the ledger's guard; `rerun_after_worker_loss`
+  counts those), and every succeeded job wrote one;
 - over_limit_events == 0: sweeping the started/finished times the demo task records for the
   final run of each succeeded job, no tenant (hard max), registered sub-tenant or shard ran
   above its limit at any moment. A run killed with its worker leaves no times, so only
@@ -488,11 +491,24 @@ def concurrency_report(db_path: Path) -> dict[str, Any]:
 
 
 def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
+    """The demo ledger against the runs the jobs were allowed.
+
+    A job runs at least once: a worker killed after the task wrote its side effect and
+    before the outcome was recorded leaves the job to run again, and that run reaches the
+    ledger again, where the idempotency guard (a unique row) keeps the side effect single
+    and counts the attempt. So each attempt lost with its worker may add one count to a
+    job's ledger row (`rerun_after_worker_loss`); a count past 1 + the job's worker losses
+    is a run the system should not have made (`duplicated`)."""
     with _db(db_path) as conn:
         writes = {r["job_id"]: r["writes"] for r in conn.execute("SELECT job_id, writes FROM jobs_ledgerentry")}
-    duplicated = sorted(j for j, w in writes.items() if w > 1)
+        losses = {
+            r["id"]: r["worker_losses"]
+            for r in conn.execute("SELECT id, worker_losses FROM jobs_job WHERE worker_losses > 0")
+        }
+    duplicated = sorted(j for j, w in writes.items() if w > 1 + losses.get(j, 0))
+    rerun = sorted(j for j, w in writes.items() if 1 < w <= 1 + losses.get(j, 0))
     missing = sorted(succeeded - set(writes))
-    return {"duplicated": duplicated, "missing": missing}
+    return {"duplicated": duplicated, "rerun_after_worker_loss": rerun, "missing": missing}
 
 
 def _holders(state: dict[str, str]) -> int:
@@ -794,6 +810,7 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             "cancelled": by_status.get("cancelled", 0),
             "lost": len(lost_ids),
             "duplicated": len(ledger["duplicated"]),
+            "rerun_after_worker_loss": len(ledger["rerun_after_worker_loss"]),
             "missing_side_effects": len(ledger["missing"]),
             "over_limit_events": concurrency["over_limit_events"],
             "leaked_holds": leaked_count(leftovers),
@@ -870,6 +887,7 @@ SUMMARY_KEYS = (
     "failed",
     "lost",
     "duplicated",
+    "rerun_after_worker_loss",
     "missing_side_effects",
     "over_limit_events",
     "leaked_holds",
