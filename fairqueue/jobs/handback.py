@@ -6,7 +6,11 @@ accept, gives the delivery back before claiming it: the job stays `queued` with 
 held, its dispatch lease is renewed, and the same delivery is published again for another
 worker. Nothing is counted against the job (no attempt, no worker loss). Each hand-back
 waits a little longer before publishing (BACKOFF_*), so a worker that keeps drawing the
-same job does not spin on it. Once the job has been handed back for longer than
+same job does not spin on it. The wait is jittered: Redis hands a pushed message to the
+consumer that has waited longest in BRPOP, kombu renews an idle BRPOP every second, and
+the refusing worker's free slot re-entered BRPOP the moment it took the job, so a wait of
+whole seconds published each time just as that worker's BRPOP was the oldest, and it drew
+the job again and again while a worker that could run it sat idle. Once the job has been handed back for longer than
 `FAIRQUEUE_HANDBACK_SECONDS` since the first time, it ends `failed` with
 `error_reason = "unknown_task"` and its slots are released.
 """
@@ -14,6 +18,7 @@ same job does not spin on it. Once the job has been handed back for longer than
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 from django.conf import settings
@@ -36,6 +41,7 @@ log = logging.getLogger("fairqueue.jobs.handback")
 UNKNOWN_TASK = "unknown_task"
 BACKOFF_FIRST_SECONDS = 0.2
 BACKOFF_MAX_SECONDS = 5.0
+BACKOFF_JITTER = 0.5  # each wait is drawn from [1 - this, 1] of its step
 HANDBACK_KEY_PREFIX = "fq:handback:"  # HASH per job: first (unix s), count
 
 
@@ -77,7 +83,8 @@ def hand_back(job: Job, reason: str, *, worker: str) -> str:
         return "lost"  # the hold was reclaimed: the job is (or will be) re-delivered anyway
     # Wait before publishing, longer each time: the worker that drew the job is busy with
     # this slot meanwhile, so another worker (one that knows the task) is likelier to take it.
-    time.sleep(min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (int(count) - 1)))
+    step = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (int(count) - 1))
+    time.sleep(step * random.uniform(1 - BACKOFF_JITTER, 1))
     route = delivery_route(level=class_level(policy_snapshot(), job.latency_class), batch=job.in_batch_lane)
     delivery_publish(job.engine_id, route)
     stats.count("handed_back")
