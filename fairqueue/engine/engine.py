@@ -268,6 +268,27 @@ class Engine(_Base):
             return {}
         return self._counts_decode(names, self.client.hmget(name, names))
 
+    def counts_many(self, requests: dict[str, Sequence[str]]) -> dict[str, dict[str, int]]:
+        """``counts`` for many tags (tag -> key names) in one pipelined round trip."""
+        asked = [(tag, *self._counts_args(tag, keys)) for tag, keys in requests.items() if keys]
+        if not asked:
+            return {tag: {} for tag in requests}
+        pipe = self.client.pipeline(transaction=False)
+        for _, name, names in asked:
+            pipe.hmget(name, names)
+        raws = pipe.execute()
+        out: dict[str, dict[str, int]] = {tag: {} for tag in requests}
+        for (tag, _, names), raw in zip(asked, raws, strict=True):
+            out[tag] = self._counts_decode(names, raw)
+        return out
+
+    def set_limits_many(self, limits: dict[str, KeysArg], *, require_ready: bool = False) -> dict[str, list[Woken]]:
+        """``set_limits`` for many tags (tag -> limits) in one pipelined round trip, each
+        call atomic on its own tag."""
+        tags = list(limits)
+        calls = [ops.set_limits(self.prefix, tag=t, limits=limits[t], require_ready=require_ready) for t in tags]
+        return dict(zip(tags, self._run_many(calls), strict=True))
+
     def init_tag(self, *, tag: str) -> bool:
         """Mark a tag ready (idempotent): its state is complete. True if this call did it.
 
