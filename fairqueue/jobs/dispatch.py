@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from fairqueue import tracing
 from fairqueue.engine import Admission, AdmitRequest, Woken
-from fairqueue.jobs import live, stats
+from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import (
     AdmissionPlan,
@@ -277,6 +277,7 @@ def _jobs_admit(
         return
     now = timezone.now()
     pairs = list(zip(admitted_jobs, outcomes, strict=True))
+    was_parked = [str(j.id) for j, o in pairs if (o.admitted or o.not_ready) and j.status == JobStatus.PARKED]
     waiting = [j for j, o in pairs if o.not_ready]
     parked = [(j, o) for j, o in pairs if not o.admitted and not o.not_ready]
     go = [j for j, o in pairs if o.admitted]
@@ -312,6 +313,10 @@ def _jobs_admit(
             admitted_at=Coalesce("admitted_at", Value(now)),
             timeline=tl.appended(tl.line(tl.ADMITTED, at=now)),
         )
+    if parked:
+        cells.jobs_park([j for j, _ in parked], policy=policy)
+    if was_parked:
+        cells.jobs_unpark(was_parked)
     for job, outcome in pairs:
         if outcome.admitted:
             if job.admitted_at is None:
@@ -358,6 +363,7 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         now = timezone.now()
         waits_trace(woken)
         _publish([(w.job_id, w.data) for w in woken])
+        cells.jobs_unpark(split_engine_id(w.job_id)[0] for w in woken)
         line = tl.line(tl.WOKEN, at=now)
         for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
             Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
@@ -397,6 +403,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
     poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
     policy = policy_snapshot()
     again: list[Job] = []
+    failed: list[str] = []
     for engine_id in engine_ids:
         job_id, gen = split_engine_id(engine_id)
         with transaction.atomic():
@@ -429,6 +436,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)
+            if job.status == JobStatus.FAILED:
+                failed.append(str(job.id))
             job.save(
                 update_fields=[
                     "engine_tag",
@@ -445,6 +454,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
             )
             event_record(job)  # a no-op unless it just failed for good and has a webhook target
         log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
+    cells.jobs_leave(failed)
+    cells.jobs_place(again, policy=policy)
     jobs_admit(again)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from fairqueue.jobs import live, stats
+from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs.admission import job_placement, known_resources
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import DEFERRED_STATUSES, KEY_SEPARATOR, Job, JobStatus
@@ -72,6 +72,7 @@ def _promote_batch(*, batch: int, now: datetime) -> tuple[int, int]:
                 live.record_submissions(tenant_slug=slug, count=n)
         except Exception:
             log.exception("could not count %d due job(s) as arrivals", len(promoted))
+        cells.jobs_place(promoted, policy=policy)  # they wait from their due time (cells.wait_score)
         _admit(promoted, policy)
         entered = timezone.now()
         for job in promoted:  # the objective: within a second of its time (/metrics)

@@ -17,7 +17,8 @@ from datetime import timedelta
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from fairqueue.jobs import live
+from fairqueue.engine import KeysArg
+from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
@@ -64,6 +65,12 @@ def retention_step() -> None:
     retention_due_prune()
 
 
+def cells_step() -> None:
+    """Build the cells if Redis has none, else check their oldest jobs (bounded)."""
+    if cells.cells_ensure() < 0:
+        cells.cells_audit()
+
+
 def scheduler_tick() -> None:
     """The periodic duties any worker may perform; all are atomic and safe to overlap.
     Each runs on its own: one failing (say, the database) does not stop the others."""
@@ -86,6 +93,7 @@ def scheduler_tick() -> None:
         retention_step,
         capacity_step,
         webhooks_send_due,
+        cells_step,
     ]
     for duty in duties:
         try:
@@ -141,7 +149,19 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
         return False
     for name, value in fields.items():
         setattr(job, name, value)
+    cells.jobs_place([job], policy=policy)  # from the batch lane's cells to its class's
     return True
+
+
+@dataclasses.dataclass
+class _Pushed:
+    """The limits this process last sent the engine, per tag, to send only changes."""
+
+    limits: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # tag -> key -> limit
+    turn: int = 0  # which tag gets all its limits sent this tick (see limits_refresh)
+
+
+_pushed = _Pushed()
 
 
 def limits_refresh() -> int:
@@ -154,32 +174,40 @@ def limits_refresh() -> int:
     computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
     below which pressure never squeezes it, and, where a shard's capacity binds, caps the
     tenants that want more than their fair share of the shard (tenants.limits.shard_caps).
-    One round trip per shard to read holders (one more for a full shard's waiters), one per
-    shard to set limits.
+
+    In bulk, whatever the number of tenants: one pipelined read of every tenant's signals
+    (live.signals_read_many), one of every shard's holders (one more per full shard for
+    its waiters), one publication of what changed and one pipelined write of the limits
+    that changed. An admit passes its own limit too, so the engine's may differ from what
+    this process last sent (one that missed a publication): each tick also sends one tag's
+    limits whole, in turn, which corrects any within a tag count of ticks.
     """
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
-    cached = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
     # The tick decides afresh: what it published last time (shares, caps, its limits) is
     # not an input, except each tenant's previous cap (see _key_limit).
-    signals = {
-        slug: dataclasses.replace(s, idle_share=0, shard_cap=None, tick_limit=None) for slug, s in cached.items()
-    }
+    signals = live.signals_read_many(list(policy.tenants), fleet=fleet)
+    members_of: dict[str, list[str]] = {name: [] for name in policy.shards}
+    for tp in policy.tenants.values():
+        if tp.shard in members_of:
+            members_of[tp.shard].append(tp.slug)
+    counts = engine().counts_many(
+        {shard_tag(name): [SHARD_KEY, *(tenant_key(slug) for slug in members)] for name, members in members_of.items()}
+    )
     held: dict[str, int] = {}
     shard_held: dict[str, int] = {}
-    for shard_name in policy.shards:
-        members = [tp.slug for tp in policy.tenants.values() if tp.shard == shard_name]
-        counts = engine().counts(tag=shard_tag(shard_name), keys=[SHARD_KEY, *(tenant_key(slug) for slug in members)])
-        shard_held[shard_name] = counts.get(SHARD_KEY, 0)
-        held.update({slug: counts.get(tenant_key(slug), 0) for slug in members})
-    previous_caps = {slug: c.shard_cap for slug, c in cached.items()}
+    for name, members in members_of.items():
+        shard_counts = counts[shard_tag(name)]
+        shard_held[name] = shard_counts.get(SHARD_KEY, 0)
+        held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
+    previous_caps: dict[str, int | None] = dict(live.shard_caps_read())
     plan = limits_plan(
         policy=policy,
         signals=signals,
         held=held,
         slots=fleet.slots,
         in_flight=fleet.in_flight + fleet.batch_in_flight,
-        caps_for=lambda formulas: _shard_caps(policy, fleet, formulas, held, shard_held, previous_caps),
+        caps_for=lambda formulas: _shard_caps(policy, fleet, members_of, formulas, held, shard_held, previous_caps),
     )
     # The limits this tick sets are published too: a process admitting a tenant's jobs
     # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than one
@@ -189,20 +217,42 @@ def limits_refresh() -> int:
     limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
     published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
     live.shares_publish(plan.idle, plan.fair, plan.caps, published)
+    wanted: dict[str, dict[str, int]] = {}
+    for name, shard in policy.shards.items():
+        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0))
+        limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(name)}
+        limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
+        wanted[shard_tag(name)] = limits
+    whole = sorted(wanted)[_pushed.turn % len(wanted)] if wanted else None
+    _pushed.turn += 1
+    sending: dict[str, KeysArg] = {}
+    for tag, limits in wanted.items():
+        before = {} if tag == whole else _pushed.limits.get(tag, {})
+        changed = {key: limit for key, limit in limits.items() if before.get(key) != limit}
+        if changed:
+            sending[tag] = changed
+    # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
+    # bring the limits, and waking waiters there could pass jobs the engine forgot. Its
+    # limits are then not remembered as sent: all go with the next tick.
+    results = engine().set_limits_many(sending, require_ready=True) if sending else {}
+    ready = engine().ready_tags(list(results)) if results else set()
+    for tag in sending:
+        if tag in ready:
+            _pushed.limits[tag] = wanted[tag]
+        else:
+            _pushed.limits.pop(tag, None)
     woken = 0
-    for shard_name, shard in policy.shards.items():
-        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
-        limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
-        for tp in policy.tenants.values():
-            if tp.shard == shard_name:
-                limits[tenant_key(tp.slug)] = limits_set[tp.slug]
-        # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
-        # bring the limits, and waking waiters there could pass jobs the engine forgot.
-        result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)
+    for result in results.values():
         if result:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def limits_pushed_forget() -> None:
+    """Send every limit with the next tick (tests; a rebuilt tag)."""
+    global _pushed
+    _pushed = _Pushed()
 
 
 def _key_limit(formula: int, cap: int | None) -> int:
@@ -212,6 +262,7 @@ def _key_limit(formula: int, cap: int | None) -> int:
 def _shard_caps(
     policy: PolicySnapshot,
     fleet: live.FleetState,
+    members_of: dict[str, list[str]],
     formulas: dict[str, int],
     held: dict[str, int],
     shard_held: dict[str, int],
@@ -222,7 +273,7 @@ def _shard_caps(
     allows now: its formula, or the cap it was given last tick."""
     caps: dict[str, int] = {}
     for shard_name, shard in policy.shards.items():
-        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
+        members = [policy.tenants[slug] for slug in members_of[shard_name]]
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         wanting = {tp.slug for tp in members if held[tp.slug] >= _key_limit(formulas[tp.slug], previous.get(tp.slug))}
         if not wanting:

@@ -45,7 +45,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import TagHealth
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
@@ -86,6 +86,9 @@ def state_ensure() -> list[str]:
             continue
         if tag_rebuild(tag=tag, shard=shard, foreign=state is TagHealth.FOREIGN):
             rebuilt.append(tag)
+    if rebuilt:
+        # Whatever lost the engine's state may have lost the cells' updates too.
+        cells.cells_rebuild()
     return rebuilt
 
 
@@ -229,6 +232,9 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
         .order_by("submitted_at", "id")[:limit]
     )
     if pending:
+        # Their entry into the cells may have been lost with the admission (a Redis error
+        # at submit); placing again is idempotent.
+        cells.jobs_place(pending)
         jobs_admit(pending)
     return len(pending)
 
