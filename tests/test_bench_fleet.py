@@ -32,7 +32,8 @@ class FleetBenchTests(RedisTransactionTestCase):
     def test_quick_run_writes_the_issue_shape(self) -> None:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "fleet.json"
-            call_command("bench", "fleet", "--quick", "--json", str(path), stdout=StringIO())
+            # --force: the test Redis database is the suite's own, flushed around every test.
+            call_command("bench", "fleet", "--quick", "--force", "--json", str(path), stdout=StringIO())
             result = json.loads(path.read_text())
         self.assertIn(result["database"], ("sqlite", "postgresql"))
         cases = result["cases"]

@@ -216,7 +216,10 @@ def limits_refresh() -> int:
     # formula while the pool sat idle).
     limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
     published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
-    live.shares_publish(plan.idle, plan.fair, plan.caps, published)
+    if live.shares_publish(plan.idle, plan.fair, plan.caps, published):
+        # What this process remembers sending may not hold either (another process ticked
+        # meanwhile, or Redis lost its data): send every limit this tick.
+        _pushed.limits.clear()
     wanted: dict[str, dict[str, int]] = {}
     for name, shard in policy.shards.items():
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0))

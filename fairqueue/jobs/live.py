@@ -453,14 +453,15 @@ def shares_publish(
     fair: dict[str, float] | None = None,
     caps: dict[str, int] | None = None,
     limits: dict[str, tuple[int, int]] | None = None,
-) -> None:
+) -> bool:
     """Make the tick's idle shares, fair shares, shard caps and the limits it sets visible
     to every admitting process; they expire if no worker ticks.
 
     Only what changed since this process's last publication is written (with ten thousand
     tenants, rewriting every field each tick was most of the tick's Redis work), unless
     someone else published since (SHARES_MARKER_KEY names the last publisher) or ours may
-    have expired: then everything. One read of the marker, one MULTI.
+    have expired: then everything. One read of the marker, one MULTI. Returns whether
+    everything was written (what this process remembers of Redis no longer held).
     """
     fair = fair or {}
     caps = caps or {}
@@ -501,6 +502,7 @@ def shares_publish(
             entry.fair_share = fair.get(slug)
             entry.shard_cap = caps.get(slug)
             entry.tick_limit, entry.tick_held_elsewhere = limits.get(slug, (None, 0))
+    return full
 
 
 def shard_caps_read() -> dict[str, int]:
