@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import KeysArg
@@ -24,7 +23,7 @@ from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.limits_plan import limits_plan
-from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.resource_keys import resource_limits_refresh
@@ -112,9 +111,9 @@ def batch_promote_due(*, limit: int = 200) -> int:
     cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
-        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)
+        .filter(BATCH_DUE)
         # A delayed or retried job has waited since it became due, not since its submit.
-        .alias(waiting_since=Coalesce("due_at", "submitted_at"))
+        .alias(waiting_since=WAITING_SINCE)
         .filter(waiting_since__lte=cutoff)
         .order_by("waiting_since")[:limit]
     )

@@ -48,7 +48,7 @@ from fairqueue.engine import TagHealth
 from fairqueue.jobs import cells, stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
+from fairqueue.jobs.models import ADMISSION_PENDING, RECONCILED, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
 
@@ -228,7 +228,7 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
     cutoff = timezone.now() - timedelta(seconds=older_than)
     pending = list(
         Job.objects.select_related("tenant__shard")
-        .filter(status=JobStatus.QUEUED, admitted_at__isnull=True, submitted_at__lte=cutoff)
+        .filter(ADMISSION_PENDING, submitted_at__lte=cutoff)
         .order_by("submitted_at", "id")[:limit]
     )
     if pending:
@@ -257,9 +257,7 @@ def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
     client = redis_client()
     cursor = str(client.get(RECONCILE_CURSOR_KEY) or "")
     after_time, after_id = cursor.split("|", 1) if cursor else ("", "")
-    candidates = Job.objects.select_related("tenant__shard").filter(
-        Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
-    )
+    candidates = Job.objects.select_related("tenant__shard").filter(RECONCILED)
     qs = candidates.order_by("submitted_at", "id")
     if after_time:
         qs = qs.filter(Q(submitted_at__gt=after_time) | Q(submitted_at=after_time, id__gt=after_id))
