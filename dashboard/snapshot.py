@@ -98,10 +98,12 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
     client = redis_client()
     prefix = engine().prefix
     pipe = client.pipeline(transaction=False)
-    count_names: dict[str, list[str]] = {}
+    count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY] for shard in shards}
+    for t in tenants:
+        if t.shard in count_names:
+            count_names[t.shard].append(tenant_key(t.slug))
     for shard in shards:
-        names = [SHARD_KEY, BATCH_KEY] + [tenant_key(t.slug) for t in tenants if t.shard == shard]
-        count_names[shard] = names
+        names = count_names[shard]
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
     pipe.hgetall(cells.SUMMARY_KEY)  # every cell's waiting count and oldest job
     pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
@@ -154,6 +156,7 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "target": round(slots * policy.pool.target_utilisation, 3),
     }
     tenant_rows = []
+    waiting_of, parked_of = view.of_tenants("t"), view.of_tenants("p")
     # Tenants alike in policy numbers and signals share one computation (ten thousand
     # tenants, most of them idle).
     memo: dict[tuple[Any, ...], LimitBreakdown] = {}
@@ -179,11 +182,10 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
                     tick_held_elsewhere=ticked.get(t.slug, (None, 0))[1],
                 ),
             )
-        parked_by_class = {cls: n for cls in objectives if (n := view.get(cells.parked_cell(t.slug, cls)).waiting)}
+        parked_by_class = {cls: c.waiting for cls, c in parked_of.get(t.slug, {}).items()}
         waiting = 0
         tenant_oldest: float | None = None
-        for cls in objectives:
-            summary = view.get(cells.tenant_cell(t.slug, cls))
+        for cls, summary in waiting_of.get(t.slug, {}).items():
             waiting += summary.waiting
             if cls != BATCH_CLASS and summary.oldest_ts is not None:
                 tenant_oldest = summary.oldest_ts if tenant_oldest is None else min(tenant_oldest, summary.oldest_ts)

@@ -66,6 +66,9 @@ SLOTS_PER_WORKER = 4
 SHARD_CAPACITY = 1000
 ADMIT_SAMPLES = {"full": 300, "quick": 30}
 REPEATS = 5
+WARM_TICKS = 2
+MIN_TICKS = 4
+MAX_WAIT_SECONDS = 120.0
 RUNNING_LEASE_SECONDS = 3600.0
 
 
@@ -211,21 +214,27 @@ class _Fleet:
             lease.release()
             connection.close()
 
+    def _wait_ticks(self, count: int, deadline: float) -> None:
+        while len(self.tick_walls) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def run(self, seconds: float) -> dict[str, float]:
         for name in self.names:  # registered before the clock starts
             worker_heartbeat(hostname=name, slots=SLOTS_PER_WORKER, running=0, running_batch=0)
         threads = [threading.Thread(target=self._heartbeat, daemon=True)]
         threads += [threading.Thread(target=self._ticker, args=(n,), daemon=True) for n in self.names]
-        for t in threads[1:]:
+        for t in threads:
             t.start()
-        time.sleep(2 * TICK_SECONDS)  # every ticker has started and one leads
+        # Every ticker has started and the leader's first ticks (cold caches: every ring
+        # read, every limit sent) are behind us.
+        self._wait_ticks(WARM_TICKS, time.monotonic() + MAX_WAIT_SECONDS)
         commands_before, heartbeats_before = _redis_commands(), self.heartbeats
         with self._lock:
             self.tick_walls.clear()
             self.tick_queries = 0
-        threads[0].start()
         started = time.monotonic()
         time.sleep(seconds)
+        self._wait_ticks(MIN_TICKS, started + MAX_WAIT_SECONDS)  # a slow tick: a few all the same
         elapsed = time.monotonic() - started
         commands = _redis_commands() - commands_before - 1  # the INFO that read the count
         with self._lock:

@@ -170,7 +170,21 @@ class CellsView:
     cells: dict[str, Cell] = field(default_factory=dict)
 
     def get(self, name: str) -> Cell:
-        return self.cells.get(name, Cell(0, None))
+        return self.cells.get(name, _EMPTY)
+
+    def of_tenants(self, kind: str) -> dict[str, dict[str, Cell]]:
+        """Tenant -> class -> cell, for the cells of `kind` ("t" waiting, "p" parked) that
+        hold a job: a tenant with nothing waiting is absent (names are slugs: no "|")."""
+        out: dict[str, dict[str, Cell]] = {}
+        for name, cell in self.cells.items():
+            prefix, _, rest = name.partition("|")
+            if prefix == kind:
+                slug, _, cls = rest.partition("|")
+                out.setdefault(slug, {})[cls] = cell
+        return out
+
+
+_EMPTY = Cell(0, None)
 
 
 def cells_parse(raw: dict[str, str]) -> CellsView:
