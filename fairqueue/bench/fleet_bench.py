@@ -14,6 +14,9 @@ wrapper on the ticking thread's connection); then the median dashboard snapshot 
 /metrics scrape (the collector without its cache, rendered as Prometheus text) and the mean
 engine admit (+ release) of a fresh job.
 
+INFO commandstats counts the whole Redis server: give the bench a server no one else uses
+while it runs (another database of the same server counts too).
+
 With --database-url the run happens in a child process on that PostgreSQL database
 (created afresh and migrated).
 """
