@@ -9,9 +9,11 @@ from django.utils import timezone
 
 from fairqueue.jobs import cells
 from fairqueue.jobs.cancellation import job_cancel
+from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.submission import JobRequest, job_submit
+from tenants.models import Shard
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
 
@@ -101,3 +103,85 @@ class CellsTests(RedisTestCase):
         self.assertAlmostEqual(
             view.get(cells.shard_cell("default", "default")).oldest_ts or 0, old.timestamp(), delta=0.01
         )
+
+
+class CellsOnMainTransitionsTests(RedisTestCase):
+    """Transitions beside submit/park/start/cancel: delayed and retried jobs (which wait
+    from when they became due), moves between shards, and marks that arrive late."""
+
+    def setUp(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", max_concurrency=1)
+
+    def submit(self, **fields: object) -> Job:
+        with self.captureOnCommitCallbacks(execute=True):
+            return job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", **fields)).job  # type: ignore[arg-type]
+
+    def view(self) -> dict[str, tuple[int, float]]:
+        return {name: (c.waiting, c.oldest_ts or 0.0) for name, c in cells.cells_read().cells.items()}
+
+    def assert_matches_database(self) -> None:
+        got, want = self.view(), _from_database()
+        self.assertEqual(set(got), set(want))
+        for name, (n, oldest) in want.items():
+            self.assertEqual(got[name][0], n, name)
+            self.assertAlmostEqual(got[name][1], oldest, delta=0.001, msg=name)
+
+    def test_a_delayed_job_waits_in_no_cell_until_due_then_from_its_due_time(self) -> None:
+        self.submit()  # holds the tenant's one slot, so the next ones park
+        delayed = self.submit(delay_seconds=3600)
+        self.assertEqual(delayed.status, JobStatus.SCHEDULED)
+        self.assert_matches_database()  # the scheduled job is in no cell
+        self.assertEqual(cells.cells_read().get(cells.tenant_cell("acme", "default")).waiting, 1)  # the first
+        due_at = timezone.now() - timedelta(seconds=30)
+        Job.objects.filter(id=delayed.id).update(due_at=due_at)
+        self.assertEqual(jobs_promote_due(), 1)
+        self.assertEqual(Job.objects.get(id=delayed.id).status, JobStatus.PARKED)
+        self.assert_matches_database()
+        cell = cells.cells_read().get(cells.shard_cell("default", "default"))
+        # Its wait started at its due time, before the first job's submit (the oldest now),
+        # not at its own submit (after that one's).
+        self.assertEqual(cell.waiting, 2)
+        self.assertAlmostEqual(cell.oldest_ts or 0, due_at.timestamp(), delta=0.001)
+        self.assertEqual(cells.cells_read().get(cells.parked_cell("acme", "default")).waiting, 1)
+
+    def test_a_retrying_job_reenters_its_cells_when_its_backoff_is_over(self) -> None:
+        job = self.submit()
+        job_execute(job_id=str(job.id), generation=job.generation, worker="w1")
+        # A failed attempt the policy retries leaves the row `retrying` until due_at
+        # (fairqueue.jobs.retries.failure_fields): written here as that path writes it.
+        due_at = timezone.now() - timedelta(seconds=5)
+        Job.objects.filter(id=job.id).update(status=JobStatus.RETRYING, due_at=due_at, finished_at=None)
+        self.assert_matches_database()
+        self.assertEqual(jobs_promote_due(), 1)
+        self.assert_matches_database()
+        cell = cells.cells_read().get(cells.tenant_cell("acme", "default"))
+        self.assertEqual(cell.waiting, 1)
+        self.assertAlmostEqual(cell.oldest_ts or 0, due_at.timestamp(), delta=0.001)
+
+    def test_a_moved_tenants_waiting_jobs_follow_it_to_its_new_shard(self) -> None:
+        self.submit()
+        self.submit()
+        self.submit()
+        self.assertEqual(cells.cells_read().get(cells.shard_cell("default", "default")).waiting, 3)
+        with self.captureOnCommitCallbacks(execute=True):
+            other = Shard.objects.create(name="other", capacity=100)
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant.shard = other
+            self.tenant.save()
+        self.assert_matches_database()
+        view = cells.cells_read()
+        self.assertEqual(view.get(cells.shard_cell("default", "default")).waiting, 0)
+        self.assertEqual(view.get(cells.shard_cell("other", "default")).waiting, 3)
+
+    def test_a_late_parked_mark_does_not_bring_back_a_job_that_left(self) -> None:
+        self.submit()
+        parked = self.submit()
+        self.assertEqual(parked.status, JobStatus.PARKED)
+        # Woken and started by another process before this one's mark arrived.
+        cells.jobs_leave([str(parked.id)])
+        cells.jobs_park([parked])
+        cells.jobs_replace([parked])
+        view = cells.cells_read()
+        self.assertEqual(view.get(cells.parked_cell("acme", "default")).waiting, 0)
+        self.assertEqual(view.get(cells.tenant_cell("acme", "default")).waiting, 1)  # the first one

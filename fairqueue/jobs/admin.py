@@ -8,7 +8,6 @@ from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from fairqueue.jobs import cells
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.eta import job_eta
@@ -129,9 +128,7 @@ class JobAdmin(admin.ModelAdmin):
             finished_at=None,
             timeline=tl.appended(tl.line(tl.REQUEUED, "retried by an operator")),
         )
-        again = list(Job.objects.filter(id__in=failed, status=JobStatus.QUEUED).select_related("tenant"))
-        cells.jobs_place(again)
-        jobs_admit(again)
+        jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")), enter_cells=True)
         self.message_user(request, f"Re-queued {len(failed)} failed job(s).", messages.SUCCESS)
 
 

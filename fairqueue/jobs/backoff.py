@@ -18,7 +18,7 @@ from datetime import datetime
 from django.db.models import F
 
 from fairqueue.backoff import Backoff
-from fairqueue.jobs import cells, stats
+from fairqueue.jobs import stats
 from fairqueue.jobs.admission import known_resources
 from fairqueue.jobs.dispatch import job_release, jobs_admit
 from fairqueue.jobs.models import Job, JobStatus
@@ -56,8 +56,7 @@ def job_back_off(job: Job, refusal: Backoff, *, started: datetime) -> str:
     job_release(tag=job.engine_tag, engine_id=job.engine_id, keys=job.engine_key_names or None)
     if requeued:
         again = list(Job.objects.select_related("tenant__shard").filter(id=job.id, status=JobStatus.QUEUED))
-        cells.jobs_place(again, policy=policy)  # it waits again, from when it first waited
-        jobs_admit(again, policy=policy)
+        jobs_admit(again, policy=policy, enter_cells=True)  # it waits again, from when it first waited
     return "backoff"
 
 

@@ -87,25 +87,57 @@ def _set_op(job: Job, policy: PolicySnapshot, *, parked: bool, op: str = "set") 
     return [op, str(job.id), wait_score(job), len(cells), *cells]
 
 
+def _commands(ops: Sequence[list[Any]]) -> list[list[Any]]:
+    """The EVALSHA commands that apply `ops`, OPS_PER_CALL to a call."""
+    return [
+        ["EVALSHA", _SHA, 1, PREFIX, *(a for op in ops[i : i + OPS_PER_CALL] for a in op)]
+        for i in range(0, len(ops), OPS_PER_CALL)
+    ]
+
+
 def _apply(ops: Sequence[list[Any]]) -> None:
     """Send the operations, OPS_PER_CALL to a script call, all in one pipelined round trip."""
     if not ops:
         return
     client = redis_client()
+    commands = _commands(ops)
     pipe = client.pipeline(transaction=False)
-    chunks = [ops[i : i + OPS_PER_CALL] for i in range(0, len(ops), OPS_PER_CALL)]
-    for chunk in chunks:
-        pipe.execute_command("EVALSHA", _SHA, 1, PREFIX, *(a for op in chunk for a in op))
+    for command in commands:
+        pipe.execute_command(*command)
     results = pipe.execute(raise_on_error=False)
     if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
         client.script_load(_SOURCE)
         pipe = client.pipeline(transaction=False)
-        for chunk in chunks:
-            pipe.execute_command("EVALSHA", _SHA, 1, PREFIX, *(a for op in chunk for a in op))
+        for command in commands:
+            pipe.execute_command(*command)
         results = pipe.execute(raise_on_error=False)
     for r in results:
         if isinstance(r, Exception):
             raise r
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Jobs entering their cells in the round trip of their admission
+    (fairqueue.jobs.dispatch: the engine's `admit_many_after`)."""
+
+    ops: list[list[Any]]
+    commands: list[list[Any]]
+
+
+def entry_prepare(jobs: Iterable[Job], *, policy: PolicySnapshot) -> Entry:
+    """The commands that place `jobs` (as `jobs_place`), to send before their admission."""
+    ops = [op for job in jobs if (op := _set_op(job, policy, parked=False)) is not None]
+    return Entry(ops=ops, commands=_commands(ops))
+
+
+def entry_done(entry: Entry, replies: Sequence[Any]) -> None:
+    """Check the replies of an entry sent with the admission; if one failed (the script not
+    loaded on this server yet, after a restart), place the jobs on their own now, before
+    the admitted ones are published (a parked one woken and started by another process in
+    between would be counted again until the audit finds it: a window once per restart)."""
+    if any(isinstance(r, Exception) for r in replies):
+        _safely("place", entry.ops)
 
 
 def _safely(what: str, ops: Sequence[list[Any]]) -> None:

@@ -54,8 +54,13 @@ def jobs_admit(
     rebuilding: bool = False,
     strict: bool = False,
     fresh: bool = False,
+    enter_cells: bool = False,
 ) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
+
+    `enter_cells=True`: the jobs start to wait with this admission (submitted, due,
+    re-delivered, requeued): they enter their cells (fairqueue.jobs.cells) in the same
+    round trip, just before the admissions.
 
     Redis trouble here leaves the jobs `queued` in the database, where recovery admits
     them later (fairqueue.jobs.recovery). `running=True` re-enters jobs that are already
@@ -85,6 +90,7 @@ def jobs_admit(
             running=running,
             require_ready=not running and not rebuilding,
             fresh=fresh,
+            enter_cells=enter_cells,
         )
     except redis.RedisError:
         if strict:
@@ -219,7 +225,14 @@ def _admissions_trace(
 
 
 def _jobs_admit(
-    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool, fresh: bool
+    jobs: Sequence[Job],
+    *,
+    policy: PolicySnapshot,
+    dispatch: bool,
+    running: bool,
+    require_ready: bool,
+    fresh: bool,
+    enter_cells: bool,
 ) -> None:
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
@@ -261,9 +274,12 @@ def _jobs_admit(
         )
         plans.append(plan)
         admitted_jobs.append(job)
+    entry = cells.entry_prepare(admitted_jobs, policy=policy) if enter_cells else None
     started = time.perf_counter()
-    outcomes: list[Admission] = engine().admit_many(items)
+    replies, outcomes = engine().admit_many_after(entry.commands if entry else [], items)
     stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
+    if entry is not None:
+        cells.entry_done(entry, replies)
     unready = [i for i, o in enumerate(outcomes) if o.not_ready]
     if unready:
         retry = _tags_init_if_idle({items[i].tag for i in unready}, policy, admitted_jobs)
@@ -455,8 +471,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
             event_record(job)  # a no-op unless it just failed for good and has a webhook target
         log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
     cells.jobs_leave(failed)
-    cells.jobs_place(again, policy=policy)
-    jobs_admit(again)
+    jobs_admit(again, policy=policy, enter_cells=True)
 
 
 # Picks, among the jobs a release woke, one the caller runs itself in the slot it freed

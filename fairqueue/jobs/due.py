@@ -20,7 +20,7 @@ from typing import Any
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from fairqueue.jobs import cells, live, stats
+from fairqueue.jobs import live, stats
 from fairqueue.jobs.admission import job_placement, known_resources
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.models import DUE_DEFERRED, KEY_SEPARATOR, Job, JobStatus
@@ -72,7 +72,6 @@ def _promote_batch(*, batch: int, now: datetime) -> tuple[int, int]:
                 live.record_submissions(tenant_slug=slug, count=n)
         except Exception:
             log.exception("could not count %d due job(s) as arrivals", len(promoted))
-        cells.jobs_place(promoted, policy=policy)  # they wait from their due time (cells.wait_score)
         _admit(promoted, policy)
         entered = timezone.now()
         for job in promoted:  # the objective: within a second of its time (/metrics)
@@ -85,7 +84,7 @@ def _admit(jobs: list[Job], policy: PolicySnapshot) -> None:
     then costs no second write, only a parked one is updated). If the admission does not
     happen the mark is cleared, so the pending sweep admits them (fairqueue.jobs.recovery)."""
     try:
-        jobs_admit(jobs, policy=policy, strict=True, fresh=True)
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=True)  # they wait from due_at
     except Exception:
         log.warning("%d due job(s) not admitted now; the pending sweep admits them", len(jobs), exc_info=True)
         for generation, group in _by_generation(jobs).items():

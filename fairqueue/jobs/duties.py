@@ -118,12 +118,14 @@ def batch_promote_due(*, limit: int = 200) -> int:
         .order_by("waiting_since")[:limit]
     )
     promoted = [job for job in due if batch_promote(job, policy=policy)]
-    jobs_admit(promoted, policy=policy)
+    # From the batch lane's cells to its class's, in the admission's round trip.
+    jobs_admit(promoted, policy=policy, enter_cells=True)
     return len(promoted)
 
 
 def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
-    """Take one parked batch job out of the batch lane (the caller admits it again).
+    """Take one parked batch job out of the batch lane (the caller admits it again, into
+    its class's cells: `jobs_admit(enter_cells=True)`).
 
     Safe against every other transition: the engine's cancel is atomic (of two promoters
     one wins; a job woken meanwhile stays where it is), and the row changes only if it is
@@ -148,7 +150,6 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
         return False
     for name, value in fields.items():
         setattr(job, name, value)
-    cells.jobs_place([job], policy=policy)  # from the batch lane's cells to its class's
     return True
 
 

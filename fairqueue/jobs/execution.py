@@ -288,7 +288,5 @@ def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
     )
     job_release(tag=tag, engine_id=engine_id)
     if moved:
-        again = list(Job.objects.select_related("tenant__shard").filter(id=job_id))
-        cells.jobs_place(again)
-        jobs_admit(again)
+        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)), enter_cells=True)
     return bool(moved)

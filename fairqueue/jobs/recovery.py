@@ -233,9 +233,8 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
     )
     if pending:
         # Their entry into the cells may have been lost with the admission (a Redis error
-        # at submit); placing again is idempotent.
-        cells.jobs_place(pending)
-        jobs_admit(pending)
+        # at submit); entering again is idempotent.
+        jobs_admit(pending, enter_cells=True)
     return len(pending)
 
 

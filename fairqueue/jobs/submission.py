@@ -33,7 +33,7 @@ from django.utils import timezone
 from pydantic import ValidationError as PydanticValidationError
 
 from fairqueue import tracing
-from fairqueue.jobs import cells, live, payloads, stats
+from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import job_placement
 from fairqueue.jobs.delays import due_time, is_deferred
@@ -334,9 +334,8 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
     if not due_now:
         return
     jobs = due_now
-    cells.jobs_place(jobs, policy=policy)  # before the admission, which may park them
     try:
-        jobs_admit(jobs, policy=policy, strict=True, fresh=True)
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=True)
     except redis.RedisError:
         log.warning("Redis unreachable: %d accepted job(s) wait for the pending sweep", len(jobs))
         _admission_pending(jobs)
