@@ -1,7 +1,8 @@
 -- cells: per-cell summaries of the jobs waiting in each cell, kept as jobs move
 -- (fairqueue.jobs.cells). A cell is an opaque name; each has a sorted set of its job ids
--- scored by the time it started waiting (fairqueue.jobs.cells.wait_score), and the summary hash keeps its count and oldest score, so a
--- reader gets every cell's figures with one HGETALL, whatever the backlog.
+-- scored by the time it started waiting (fairqueue.jobs.cells.wait_score), and the summary
+-- hash keeps each cell's "<count> <oldest score>" in one field, so a reader gets every
+-- cell's figures with one HGETALL, whatever the backlog.
 -- All keys share the {cells} hash tag (one slot): the cell sets are named from KEYS[1]'s
 -- prefix inside the script, which Redis Cluster allows within one slot.
 -- KEYS[1]  prefix of every key, e.g. "fq:{cells}:"
@@ -21,10 +22,10 @@ local function refresh(cell)
   local z = prefix .. 'z:' .. cell
   local n = redis.call('ZCARD', z)
   if n == 0 then
-    redis.call('HDEL', summary, cell .. '\1n', cell .. '\1o')
+    redis.call('HDEL', summary, cell)
   else
     local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-    redis.call('HSET', summary, cell .. '\1n', n, cell .. '\1o', first[2])
+    redis.call('HSET', summary, cell, n .. ' ' .. first[2])
   end
 end
 

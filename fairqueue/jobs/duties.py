@@ -22,7 +22,7 @@ from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.due import jobs_promote_due
-from fairqueue.jobs.limits_plan import limits_plan
+from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
 from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
@@ -164,6 +164,22 @@ class _Pushed:
 _pushed = _Pushed()
 
 
+@dataclasses.dataclass
+class _Planned:
+    """The last tick's plan, what it was computed from and what was derived from it. A tick
+    whose inputs all equal the last one's (the steady state of a large fleet: most tenants
+    idle, nothing moving) reuses them rather than run the formula over every tenant again;
+    a shard at capacity (whose waiters the caps read) always recomputes."""
+
+    inputs: tuple[object, ...] | None = None
+    plan: LimitsPlan | None = None
+    published: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    wanted: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+_planned = _Planned()
+
+
 def limits_refresh() -> int:
     """Push every tenant's current limit (and each shard's batch room) to the engine.
 
@@ -182,6 +198,7 @@ def limits_refresh() -> int:
     this process last sent (one that missed a publication): each tick also sends one tag's
     limits whole, in turn, which corrects any within a tag count of ticks.
     """
+    global _planned
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
     # The tick decides afresh: what it published last time (shares, caps, its limits) is
@@ -201,36 +218,53 @@ def limits_refresh() -> int:
         shard_held[name] = shard_counts.get(SHARD_KEY, 0)
         held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
     previous_caps: dict[str, int | None] = dict(live.shard_caps_read())
-    plan = limits_plan(
-        policy=policy,
-        signals=signals,
-        held=held,
-        slots=fleet.slots,
-        in_flight=fleet.in_flight + fleet.batch_in_flight,
-        caps_for=lambda formulas: _shard_caps(policy, fleet, members_of, formulas, held, shard_held, previous_caps),
-    )
-    # The limits this tick sets are published too: a process admitting a tenant's jobs
-    # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than one
-    # from its own view of the pool, up to a second older, which would pull an idle share
-    # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
-    # formula while the pool sat idle).
-    limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
-    published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
-    if live.shares_publish(plan.idle, plan.fair, plan.caps, published):
+    capacities = {
+        name: max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0)) for name, shard in policy.shards.items()
+    }
+    inputs = (dataclasses.replace(fleet, at=0.0), signals, held, shard_held, previous_caps)
+    if (
+        _planned.plan is not None
+        and _planned.inputs is not None
+        and _planned.inputs[0] is policy
+        and _planned.inputs[1:] == inputs
+        and all(shard_held[name] < capacity for name, capacity in capacities.items())
+    ):
+        plan, published, wanted = _planned.plan, _planned.published, _planned.wanted
+        reused = True
+    else:
+        plan = limits_plan(
+            policy=policy,
+            signals=signals,
+            held=held,
+            slots=fleet.slots,
+            in_flight=fleet.in_flight + fleet.batch_in_flight,
+            caps_for=lambda formulas: _shard_caps(policy, fleet, members_of, formulas, held, shard_held, previous_caps),
+        )
+        # The limits this tick sets are published too: a process admitting a tenant's jobs
+        # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than
+        # one from its own view of the pool, up to a second older, which would pull an idle
+        # share or a shard cap back between ticks (a burst's later chunks reset its limit to
+        # the bare formula while the pool sat idle).
+        limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
+        published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
+        wanted = {}
+        for name in policy.shards:
+            limits = {SHARD_KEY: capacities[name], BATCH_KEY: fleet.batch_limit(name)}
+            limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
+            wanted[shard_tag(name)] = limits
+        _planned = _Planned(inputs=(policy, *inputs), plan=plan, published=published, wanted=wanted)
+        reused = False
+    if live.shares_publish(plan.idle, plan.fair, plan.caps, published, unchanged=reused):
         # What this process remembers sending may not hold either (another process ticked
         # meanwhile, or Redis lost its data): send every limit this tick.
         _pushed.limits.clear()
-    wanted: dict[str, dict[str, int]] = {}
-    for name, shard in policy.shards.items():
-        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0))
-        limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(name)}
-        limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
-        wanted[shard_tag(name)] = limits
     whole = sorted(wanted)[_pushed.turn % len(wanted)] if wanted else None
     _pushed.turn += 1
     sending: dict[str, KeysArg] = {}
     for tag, limits in wanted.items():
         before = {} if tag == whole else _pushed.limits.get(tag, {})
+        if before is limits:
+            continue  # the very limits sent last tick (a reused plan)
         changed = {key: limit for key, limit in limits.items() if before.get(key) != limit}
         if changed:
             sending[tag] = changed
@@ -253,9 +287,10 @@ def limits_refresh() -> int:
 
 
 def limits_pushed_forget() -> None:
-    """Send every limit with the next tick (tests; a rebuilt tag)."""
-    global _pushed
+    """Send every limit with the next tick, computed afresh (tests; a rebuilt tag)."""
+    global _pushed, _planned
     _pushed = _Pushed()
+    _planned = _Planned()
 
 
 def _key_limit(formula: int, cap: int | None) -> int:

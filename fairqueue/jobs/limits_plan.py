@@ -59,6 +59,7 @@ class _Memo:
         self.policy = policy
         self._breakdowns: dict[tuple[object, ...], LimitBreakdown] = {}
         self._signals: dict[tuple[int, int, float | None], LiveSignals] = {}
+        self._capped: dict[tuple[int, int, int | None], LiveSignals] = {}
 
     def breakdown(self, tp: TenantPolicy, signals: LiveSignals) -> LimitBreakdown:
         key = (tp.shard, tp.floor, tp.burst_floor, tp.burst_pct, tp.max_concurrency, tp.dedicated, id(signals))
@@ -72,6 +73,13 @@ class _Memo:
         found = self._signals.get(key)
         if found is None:
             found = self._signals[key] = dataclasses.replace(signals, idle_share=idle_share, fair_share=fair_share)
+        return found
+
+    def with_share_and_cap(self, signals: LiveSignals, *, idle_share: int, shard_cap: int | None) -> LiveSignals:
+        key = (id(signals), idle_share, shard_cap)
+        found = self._capped.get(key)
+        if found is None:
+            found = self._capped[key] = dataclasses.replace(signals, idle_share=idle_share, shard_cap=shard_cap)
         return found
 
 
@@ -129,7 +137,7 @@ def limits_plan(
         share = shares.get(tp.slug, 0)
         cap = caps.get(tp.slug)
         if share or cap is not None:
-            planned[tp.slug] = dataclasses.replace(planned[tp.slug], idle_share=share, shard_cap=cap)
+            planned[tp.slug] = memo.with_share_and_cap(planned[tp.slug], idle_share=share, shard_cap=cap)
             breakdowns[tp.slug] = memo.breakdown(tp, planned[tp.slug])
         else:  # the formula's own decision stands
             breakdowns[tp.slug] = formulas[tp.slug]

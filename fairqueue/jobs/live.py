@@ -453,6 +453,8 @@ def shares_publish(
     fair: dict[str, float] | None = None,
     caps: dict[str, int] | None = None,
     limits: dict[str, tuple[int, int]] | None = None,
+    *,
+    unchanged: bool = False,
 ) -> bool:
     """Make the tick's idle shares, fair shares, shard caps and the limits it sets visible
     to every admitting process; they expire if no worker ticks.
@@ -460,18 +462,14 @@ def shares_publish(
     Only what changed since this process's last publication is written (with ten thousand
     tenants, rewriting every field each tick was most of the tick's Redis work), unless
     someone else published since (SHARES_MARKER_KEY names the last publisher) or ours may
-    have expired: then everything. One read of the marker, one MULTI. Returns whether
-    everything was written (what this process remembers of Redis no longer held).
+    have expired: then everything. One read of the marker, one MULTI. `unchanged`: the
+    caller says all four equal its last call's (the tick reused its plan), so only their
+    lifetimes are renewed. Returns whether everything was written (what this process
+    remembers of Redis no longer held).
     """
     fair = fair or {}
     caps = caps or {}
     limits = limits or {}
-    values: dict[str, dict[str, str]] = {
-        SHARES_KEY: {k: str(v) for k, v in idle.items()},
-        FAIR_SHARES_KEY: {k: f"{v:.3f}" for k, v in fair.items()},
-        SHARD_CAPS_KEY: {k: str(v) for k, v in caps.items()},
-        TICK_LIMITS_KEY: {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()},
-    }
     client = redis_client()
     check = client.pipeline(transaction=False)
     check.get(SHARES_MARKER_KEY)
@@ -480,17 +478,28 @@ def shares_publish(
     # The marker expires with the hashes (same MULTI, same TTL): while it names us with
     # time to spare, they hold what we last wrote.
     full = marker != _publication.token or marker_ttl_ms < SHARES_MIN_TTL_MS
+    same = unchanged and bool(_publication.values)
+    if same and not full:
+        values = _publication.values
+    else:
+        values = {
+            SHARES_KEY: {k: str(v) for k, v in idle.items()},
+            FAIR_SHARES_KEY: {k: f"{v:.3f}" for k, v in fair.items()},
+            SHARD_CAPS_KEY: {k: str(v) for k, v in caps.items()},
+            TICK_LIMITS_KEY: {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()},
+        }
     pipe = client.pipeline(transaction=True)
     for key, new in values.items():
-        old = {} if full else _publication.values.get(key, {})
-        if full:
-            pipe.delete(key)
-        gone = [k for k in old if k not in new]
-        if gone:
-            pipe.hdel(key, *gone)
-        changed = {k: v for k, v in new.items() if old.get(k) != v}
-        if changed:
-            pipe.hset(key, mapping=dict[Any, Any](changed))
+        if not (same and not full):
+            old = {} if full else _publication.values.get(key, {})
+            if full:
+                pipe.delete(key)
+            gone = [k for k in old if k not in new]
+            if gone:
+                pipe.hdel(key, *gone)
+            changed = {k: v for k, v in new.items() if old.get(k) != v}
+            if changed:
+                pipe.hset(key, mapping=dict[Any, Any](changed))
         if new:
             pipe.expire(key, SHARES_TTL_SECONDS)
     pipe.set(SHARES_MARKER_KEY, _publication.token, ex=SHARES_TTL_SECONDS)

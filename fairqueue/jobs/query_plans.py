@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from fairqueue.jobs.due import DUE_BATCH, due_rows
 from fairqueue.jobs.models import ADMISSION_PENDING, BATCH_DUE, RECONCILED, WAITING_SINCE, Job, JobStatus
-from fairqueue.jobs.recovery import RECONCILE_ROWS_PER_TICK, RELEASES_PER_TICK
+from fairqueue.jobs.recovery import RECONCILE_ROWS_PER_TICK, RELEASES_PER_TICK, reconcile_after
 from fairqueue.jobs.retention import prunable_jobs
 from tenants.models import Tenant
 
@@ -52,6 +52,12 @@ def queries(tenant: Tenant) -> dict[str, QuerySet[Job]]:
         .filter(waiting_since__lte=now - timedelta(hours=9))
         .order_by("waiting_since")[:200],
         "tick: reconcile": Job.objects.filter(RECONCILED).order_by("submitted_at", "id")[:RECONCILE_ROWS_PER_TICK],
+        # Every later tick: from the cursor (the oldest rows are the ones it passed).
+        "tick: reconcile from its cursor": reconcile_after(
+            Job.objects.filter(RECONCILED).order_by("submitted_at", "id"),
+            (now - timedelta(days=1)).isoformat(),
+            str(uuid.uuid4()),
+        )[:RECONCILE_ROWS_PER_TICK],
         "tick: releases pending": Job.objects.filter(release_pending=True).order_by("finished_at")[:RELEASES_PER_TICK],
         "tick: cells audit": Job.objects.filter(id__in=some_ids, status__in=waiting),
         "retention batch": prunable_jobs(cutoff=now - timedelta(days=30)).order_by("finished_at", "id")[:500],

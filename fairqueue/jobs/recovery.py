@@ -249,6 +249,14 @@ def releases_pending(*, limit: int = RELEASES_PER_TICK) -> int:
     return done
 
 
+def reconcile_after(qs: QuerySet[Job], after_time: str, after_id: str) -> QuerySet[Job]:
+    """The rows after the cursor (submitted_at, id) in that order. A range the index walks
+    from the cursor on (`submitted_at >= t`), less the few rows of that instant already
+    seen: written as `> t OR (= t AND id > i)`, PostgreSQL read every candidate row (half a
+    second at 110,000 waiting)."""
+    return qs.filter(submitted_at__gte=after_time).exclude(submitted_at=after_time, id__lte=after_id)
+
+
 def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
     """Check the next `rows` unfinished rows against the engine (a cursor walks the table
     tick by tick); re-enter those missing from it on two ticks in a row. Returns how many
@@ -259,7 +267,7 @@ def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
     candidates = Job.objects.select_related("tenant__shard").filter(RECONCILED)
     qs = candidates.order_by("submitted_at", "id")
     if after_time:
-        qs = qs.filter(Q(submitted_at__gt=after_time) | Q(submitted_at=after_time, id__gt=after_id))
+        qs = reconcile_after(qs, after_time, after_id)
     batch = list(qs[:rows])
     if len(batch) < rows:
         client.delete(RECONCILE_CURSOR_KEY)  # the end: start over next tick
