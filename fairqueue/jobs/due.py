@@ -23,7 +23,7 @@ from django.utils import timezone
 from fairqueue.jobs import live, stats
 from fairqueue.jobs.admission import job_placement, known_resources
 from fairqueue.jobs.dispatch import jobs_admit
-from fairqueue.jobs.models import DUE_DEFERRED, KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.models import DEFERRED_STATUSES, KEY_SEPARATOR, Job, JobStatus
 from tenants.policy import PolicySnapshot, policy_snapshot
 
 log = logging.getLogger("fairqueue.jobs.due")
@@ -52,7 +52,7 @@ def due_rows(now: datetime) -> QuerySet[Job]:
 
     A retrying job whose last release has not reached the engine waits for the reconciler
     (`release_pending`): its next admission must not share an engine id with that release."""
-    due = Job.objects.filter(DUE_DEFERRED, due_at__lte=now)
+    due = Job.objects.filter(status__in=sorted(DEFERRED_STATUSES), due_at__lte=now, release_pending=False)
     return due.order_by("due_at", "id")
 
 

@@ -38,7 +38,6 @@ PRUNABLE = models.Q(status__in=sorted(TERMINAL_STATUSES), release_pending=False)
 RECONCILED = models.Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | models.Q(
     status=JobStatus.QUEUED, admitted_at__isnull=False
 )  # recovery.reconcile's candidates
-DUE_DEFERRED = models.Q(status__in=sorted(DEFERRED_STATUSES), release_pending=False)  # due.due_rows
 # When a waiting job started to wait: its due time if it was delayed or retried, else its
 # submit time (the SLO age; batch promotion; the rebuild's order).
 WAITING_SINCE = Coalesce("due_at", "submitted_at")
@@ -131,9 +130,8 @@ class Job(models.Model):
             models.Index(
                 fields=["release_pending"], condition=models.Q(release_pending=True), name="job_release_pending"
             ),
-            # The due promotion's rows (fairqueue.jobs.due.due_rows), in due order.
+            # The due promotion reads only the due rows of the deferred statuses, in due order.
             models.Index(fields=["status", "due_at"], name="job_status_due"),
-            models.Index(fields=["due_at", "id"], condition=DUE_DEFERRED, name="job_due"),
             # The duty tick's queries (fairqueue.jobs.explain_queries checks their plans).
             models.Index(fields=["submitted_at", "id"], condition=ADMISSION_PENDING, name="job_admission_pending"),
             # Batch promotion reads by the time each job became due (WAITING_SINCE).
