@@ -1,20 +1,19 @@
 """One picture of the live state: pool, tenants and the shard x latency-class grid.
 
 `snapshot_build()` is what the dashboard shows and what `/metrics` exports. Per call it
-costs one database query and two Redis round trips, whatever the number of tenants:
+costs no database query and three Redis round trips, and reads nothing per waiting job:
 
-- the database (one aggregate query): jobs not yet started (`queued` or `parked`) per
-  tenant, shard, class and status, with the oldest time each became due (`submitted_at`,
-  or `due_at` for a delayed or retried job: its wait starts when it is due). The database is the
-  truth about which jobs exist and when they were submitted; Redis only holds scheduling
-  state, and a job parked behind its shard's key rather than its tenant's key is not
-  visible per tenant in the engine at all. Jobs in the batch lane (batch, not promoted)
-  are shown as their own class `batch`, measured against the pool's batch objective, so
-  hours-long batch waits never colour an interactive cell;
-- Redis, round trip 1: the worker registry (`fleet_read`);
-- Redis, round trip 2 (one pipeline): every shard's engine holder counts (HMGET), every
-  tenant's submission-rate ring and mean duration, and each cell's history list (pushed
-  to when `record=True`, then read).
+- every tenant's submission rate and mean duration (`live.signals_read_many`: a ring is
+  read again only once its bucket completes, a mean only for a tenant with a rate);
+- the worker registry (`fleet_read`);
+- one pipeline: every shard's engine holder counts (HMGET), the cells' summary
+  (fairqueue.jobs.cells: every (shard, class) and (tenant, class) cell's waiting count and
+  oldest job, kept as jobs move, one HGETALL; a job waits from when it became due,
+  `due_at` for a delayed or retried job, else `submitted_at`), the tick's shares and
+  limits; then each
+  cell's history list (pushed to when `record=True`, then read). Jobs in the batch lane
+  (batch, not promoted) are shown as their own class `batch`, measured against the pool's
+  batch objective, so hours-long batch waits never colour an interactive cell.
 
 JSON shape (all numbers plain; ages and durations in seconds)::
 
@@ -48,20 +47,17 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from django.db.models import BooleanField, Case, Count, Min, Q, Value, When
-from django.db.models.functions import Coalesce
-
 from fairqueue.engine.keys import key_name
-from fairqueue.jobs import live
+from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
-from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
+from tenants.limits import LimitBreakdown
 from tenants.policy import PolicySnapshot, policy_snapshot
 
-BATCH_CLASS = "batch"  # pseudo-class of the batch lane in the grid
+BATCH_CLASS = cells.BATCH_CLASS  # pseudo-class of the batch lane in the grid
 HISTORY_LEN = 120  # ticks kept per cell (about two minutes at one tick per second)
 HISTORY_TTL_SECONDS = 24 * 3600  # a cell that disappears from policy takes its history with it
 GREEN, ORANGE, RED = "green", "orange", "red"
@@ -80,22 +76,6 @@ def cell_state(*, oldest_age_s: float | None, objective_s: float) -> str:
     return RED
 
 
-def _waiting_rows() -> list[dict[str, Any]]:
-    """The one database query of a tick: not-yet-started jobs grouped, with their oldest."""
-    in_batch_lane = Case(
-        When(Q(batch=True, promoted_at__isnull=True), then=Value(True)),
-        default=Value(False),
-        output_field=BooleanField(),
-    )
-    return list(
-        Job.objects.filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])
-        .annotate(lane=in_batch_lane)
-        .values("tenant__slug", "tenant__shard__name", "latency_class", "status", "lane")
-        .annotate(n=Count("id"), oldest=Min(Coalesce("due_at", "submitted_at")))
-        .order_by()
-    )
-
-
 def _class_objectives(policy: PolicySnapshot) -> dict[str, int]:
     """Grid columns, highest rank first, then the batch lane."""
     ordered = sorted(policy.classes.values(), key=lambda c: (-c.rank, c.name))
@@ -104,73 +84,32 @@ def _class_objectives(policy: PolicySnapshot) -> dict[str, int]:
     return columns
 
 
-def _ring_fields(now: float, window: int) -> list[str]:
-    # Same ring as fairqueue.jobs.live: complete intervals only.
-    size = max(window / live.RING_BUCKETS, 1.0)
-    current = int(now // size)
-    return [str(current - i) for i in range(1, live.RING_BUCKETS + 1)]
-
-
 def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[str, Any]:
     """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history."""
     policy = policy_snapshot()
-    rows = _waiting_rows()
     now = time.time()
     objectives = _class_objectives(policy)
     shards = sorted(policy.shards)
-
-    # --- Database rows -> per cell and per tenant -----------------------------------------
-    cell_oldest: dict[tuple[str, str], datetime] = {}
-    cell_waiting: dict[tuple[str, str], int] = {}
-    tenant_parked: dict[str, dict[str, int]] = {}
-    tenant_waiting: dict[str, int] = {}
-    tenant_oldest: dict[str, datetime] = {}
-    for row in rows:
-        slug, shard = row["tenant__slug"], row["tenant__shard__name"]
-        cls = BATCH_CLASS if row["lane"] else row["latency_class"]
-        cell = (shard, cls)
-        cell_waiting[cell] = cell_waiting.get(cell, 0) + row["n"]
-        if cell not in cell_oldest or row["oldest"] < cell_oldest[cell]:
-            cell_oldest[cell] = row["oldest"]
-        tenant_waiting[slug] = tenant_waiting.get(slug, 0) + row["n"]
-        if row["status"] == JobStatus.PARKED:
-            by_class = tenant_parked.setdefault(slug, {})
-            by_class[cls] = by_class.get(cls, 0) + row["n"]
-        if not row["lane"] and (slug not in tenant_oldest or row["oldest"] < tenant_oldest[slug]):
-            tenant_oldest[slug] = row["oldest"]
-
-    def age(at: datetime | None) -> float | None:
-        return None if at is None else round(max(0.0, now - at.timestamp()), 3)
-
-    cell_ages = {(s, c): age(cell_oldest.get((s, c))) for s in shards for c in objectives}
+    tenants = sorted(policy.tenants.values(), key=lambda t: t.slug)
+    signals = live.signals_read_many([t.slug for t in tenants], now=now)
 
     # --- Redis: fleet, then everything else in one pipeline --------------------------------
     fleet = fleet_read()
     client = redis_client()
-    tenants = sorted(policy.tenants.values(), key=lambda t: t.slug)
     prefix = engine().prefix
     pipe = client.pipeline(transaction=False)
-    count_names: dict[str, list[str]] = {}
-    for shard in shards:
-        names = [SHARD_KEY, BATCH_KEY] + [tenant_key(t.slug) for t in tenants if t.shard == shard]
-        count_names[shard] = names
-        pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
-    fields = _ring_fields(now, policy.pool.rate_window_seconds)
+    count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY] for shard in shards}
     for t in tenants:
-        pipe.hmget(live.rate_key(t.slug), fields)
-        pipe.get(live.mean_key(t.slug))
+        if t.shard in count_names:
+            count_names[t.shard].append(tenant_key(t.slug))
+    for shard in shards:
+        names = count_names[shard]
+        pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
+    pipe.hgetall(cells.SUMMARY_KEY)  # every cell's waiting count and oldest job
     pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
     pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
-    if with_history:
-        for (shard, cls), oldest in cell_ages.items():
-            key = history_key(shard, cls)
-            if record:
-                pipe.lpush(key, f"{oldest or 0:.3f}")
-                pipe.ltrim(key, 0, HISTORY_LEN - 1)
-                pipe.expire(key, HISTORY_TTL_SECONDS)
-            pipe.lrange(key, 0, HISTORY_LEN - 1)
+    pipe.hgetall(live.TICK_LIMITS_KEY)  # and the limit the tick set
     results = iter(pipe.execute())
-
     holders: dict[str, int] = {}
     in_flight = batch_in_flight = 0
     for shard in shards:
@@ -178,15 +117,26 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         batch_in_flight += counts[BATCH_KEY]
         in_flight += max(0, counts[SHARD_KEY] - counts[BATCH_KEY])
         holders.update({k: v for k, v in counts.items() if k not in (SHARD_KEY, BATCH_KEY)})
-    signals: dict[str, tuple[float, float | None]] = {}
-    for t in tenants:
-        ring, mean = next(results), next(results)
-        rate = live.rate_from_ring([int(c or 0) for c in ring], window_seconds=policy.pool.rate_window_seconds)
-        signals[t.slug] = (rate, float(mean) if mean else None)
+    view = cells.cells_parse(next(results) or {})
     shares = {slug: int(v) for slug, v in (next(results) or {}).items()}
     fair = {slug: float(v) for slug, v in (next(results) or {}).items()}
+    ticked = {slug: live.tick_limit_parse(v) for slug, v in (next(results) or {}).items()}
+
+    def age(ts: float | None) -> float | None:
+        return None if ts is None else round(max(0.0, now - ts), 3)
+
+    cell_ages = {(s, c): age(view.get(cells.shard_cell(s, c)).oldest_ts) for s in shards for c in objectives}
     histories: dict[tuple[str, str], list[float]] = {}
     if with_history:
+        pipe = client.pipeline(transaction=False)
+        for (shard, cls), oldest in cell_ages.items():
+            key = history_key(shard, cls)
+            if record:
+                pipe.lpush(key, f"{oldest or 0:.3f}")
+                pipe.ltrim(key, 0, HISTORY_LEN - 1)
+                pipe.expire(key, HISTORY_TTL_SECONDS)
+            pipe.lrange(key, 0, HISTORY_LEN - 1)
+        results = iter(pipe.execute())
         for cell in cell_ages:
             if record:
                 next(results), next(results), next(results)
@@ -206,21 +156,39 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "target": round(slots * policy.pool.target_utilisation, 3),
     }
     tenant_rows = []
+    waiting_of, parked_of = view.of_tenants("t"), view.of_tenants("p")
+    # Tenants alike in policy numbers and signals share one computation (ten thousand
+    # tenants, most of them idle).
+    memo: dict[tuple[Any, ...], LimitBreakdown] = {}
     for t in tenants:
-        rate, mean = signals[t.slug]
-        breakdown = tenant_limit_for(
-            policy,
-            t,
-            LiveSignals(
-                rate_per_min=rate,
-                mean_seconds=mean,
-                pool_slots=slots,
-                in_flight=in_flight,
-                idle_share=shares.get(t.slug, 0),
-                fair_share=fair.get(t.slug),
-            ),
-        )
-        parked_by_class = tenant_parked.get(t.slug, {})
+        base = signals[t.slug]
+        memo_key = (
+            t.shard, t.floor, t.burst_floor, t.burst_pct, t.max_concurrency, t.dedicated,
+            base.rate_per_min, base.mean_seconds, shares.get(t.slug, 0), fair.get(t.slug), ticked.get(t.slug),
+        )  # fmt: skip
+        breakdown = memo.get(memo_key)
+        if breakdown is None:
+            breakdown = memo[memo_key] = tenant_limit_for(
+                policy,
+                t,
+                LiveSignals(
+                    rate_per_min=base.rate_per_min,
+                    mean_seconds=base.mean_seconds,
+                    pool_slots=slots,
+                    in_flight=in_flight,
+                    idle_share=shares.get(t.slug, 0),
+                    fair_share=fair.get(t.slug),
+                    tick_limit=ticked.get(t.slug, (None, 0))[0],
+                    tick_held_elsewhere=ticked.get(t.slug, (None, 0))[1],
+                ),
+            )
+        parked_by_class = {cls: c.waiting for cls, c in parked_of.get(t.slug, {}).items()}
+        waiting = 0
+        tenant_oldest: float | None = None
+        for cls, summary in waiting_of.get(t.slug, {}).items():
+            waiting += summary.waiting
+            if cls != BATCH_CLASS and summary.oldest_ts is not None:
+                tenant_oldest = summary.oldest_ts if tenant_oldest is None else min(tenant_oldest, summary.oldest_ts)
         tenant_rows.append(
             {
                 "slug": t.slug,
@@ -232,23 +200,23 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
                 "in_flight": holders.get(tenant_key(t.slug), 0),
                 "parked_by_class": parked_by_class,
                 "parked": sum(parked_by_class.values()),
-                "waiting": tenant_waiting.get(t.slug, 0),
-                "oldest_wait_s": age(tenant_oldest.get(t.slug)),
+                "waiting": waiting,
+                "oldest_wait_s": age(tenant_oldest),
                 "rate_per_min": round(breakdown.rate_per_min, 3),
                 "mean_job_s": round(breakdown.mean_seconds, 4),
             }
         )
-    cells = []
+    grid = []
     for (shard, cls), oldest in cell_ages.items():
         objective = objectives[cls]
-        cells.append(
+        grid.append(
             {
                 "shard": shard,
                 "class": cls,
                 "objective_s": objective,
                 "oldest_age_s": oldest,
                 "state": cell_state(oldest_age_s=oldest, objective_s=objective),
-                "waiting": cell_waiting.get((shard, cls), 0),
+                "waiting": view.get(cells.shard_cell(shard, cls)).waiting,
                 "history": histories.get((shard, cls), []),
             }
         )
@@ -259,8 +227,8 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "shards": shards,
         "classes": list(objectives),
         "tenants": tenant_rows,
-        "cells": cells,
-        "red": [c for c in cells if c["state"] == RED],
+        "cells": grid,
+        "red": [c for c in grid if c["state"] == RED],
         # Per worker: offered and configured slots and why fewer are offered (backpressure).
         "workers": fleet_workers(),
         # Slots live, needed now, forecast and desired (the autoscaling signal), with the chart's history.

@@ -132,10 +132,17 @@ def fair_shares(*, pool_target: float, demand: dict[str, float], weight: dict[st
     split the rest in proportion to their weights. Shares sum to at most the target."""
     left, weight_left = max(pool_target, 0.0), sum(max(weight[s], 1e-9) for s in demand)
     shares: dict[str, float] = {}
-    for slug in sorted(demand, key=lambda s: demand[s] / max(weight[s], 1e-9)):
+    ordered = sorted(demand, key=lambda s: demand[s] / max(weight[s], 1e-9))
+    for i, slug in enumerate(ordered):
         w = max(weight[slug], 1e-9)
         level = left / weight_left if weight_left > 0 else 0.0
-        shares[slug] = min(demand[slug], level * w)
+        if demand[slug] >= level * w:
+            # Every tenant from here on demands at least the level, which then stays where
+            # it is: one level for all (as arithmetic would have it; rounding would drift).
+            for rest in ordered[i:]:
+                shares[rest] = level * max(weight[rest], 1e-9)
+            break
+        shares[slug] = demand[slug]
         left -= shares[slug]
         weight_left -= w
     return shares

@@ -7,6 +7,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from dashboard.snapshot import BATCH_CLASS, cell_state, history_key, snapshot_build
+from fairqueue.jobs import cells
 from fairqueue.jobs.models import Job, JobStatus
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
@@ -56,6 +57,8 @@ class SnapshotTests(RedisTestCase):
     def waiting_job(self, latency_class: str, age_s: float, **fields: object) -> Job:
         job = Job.objects.create(tenant=self.tenant, task="demo.sleep", latency_class=latency_class, **fields)
         Job.objects.filter(id=job.id).update(submitted_at=timezone.now() - timedelta(seconds=age_s))
+        # Rows written straight to the database reach the cells as a rebuild reads them.
+        cells.cells_rebuild()
         return job
 
     def cell(self, snap: dict, latency_class: str) -> dict:

@@ -441,6 +441,23 @@ class EngineBehaviour(RedisTestCase):
         self.assertEqual([r.position for r in res], [None, None, 1, 2])
         self.assertEqual(self.e.admit_many([]), [])
 
+    def test_admit_many_after_sends_the_callers_commands_first_in_the_same_round_trip(self) -> None:
+        self.admit("a", {"k": 1})
+        # The caller's commands are opaque to the engine; an error is a reply, and the
+        # admissions after it stand.
+        before = [["RPUSH", "caller:log", "first"], ["INCR", "caller:log"], ["LLEN", "caller:log"]]
+        replies, res = self.e.admit_many_after(before, [AdmitRequest(T, "b", {"k": 1}, 60)])
+        self.assertEqual(replies[0], 1)
+        self.assertIsInstance(replies[1], redis.ResponseError)  # INCR on a list
+        self.assertEqual(replies[2], 1)
+        self.assertEqual((res[0].admitted, res[0].parked_on), (False, "k"))
+        # Sent once even when the library has to be loaded and the admissions sent again.
+        self.e.client.function_flush()
+        replies, res = self.e.admit_many_after([["RPUSH", "caller:log", "again"]], [AdmitRequest(T, "c", {"k": 1}, 60)])
+        self.assertEqual((replies, res[0].position), ([2], 2))
+        self.assertEqual(self.e.client.llen("caller:log"), 2)
+        self.assertEqual(self.e.admit_many_after([], []), ([], []))
+
     def test_library_reloads_after_function_flush(self) -> None:
         # What a fresh server (or FUNCTION FLUSH) looks like: the first call loads the library.
         self.admit("a", {"k": 1})
@@ -600,6 +617,8 @@ class AsyncEngineBehaviour(RedisTestCase):
                 self.assertEqual((b.parked_on, b.position), ("k", 1))
                 many = await e.admit_many([AdmitRequest(T, "c", {"k": 1}, 60, 0, "C")])
                 self.assertEqual(many[0].position, 2)
+                replies, after = await e.admit_many_after([["SET", "caller:mark", "1"]], [])
+                self.assertEqual((replies, after), ([True], []))
                 self.assertEqual((await e.inspect_key(tag=T, key="k")).waiters_by_priority, {3: 1, 0: 1})
                 self.assertTrue(await e.renew(tag=T, job_id="a", lease_seconds=60))
                 self.assertEqual((await e.release(tag=T, job_id="a")).woken, [Woken("b", "B")])

@@ -14,7 +14,7 @@ from fairqueue.jobs.fleet import (
     fleet_read,
     worker_heartbeat,
 )
-from fairqueue.jobs.leadership import LEASE_MS, duty_leader
+from fairqueue.jobs.leadership import LEASE_MS, DutyLease, duty_leader
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.stats import STATS_KEY
 from tenants.models import Tenant
@@ -71,6 +71,25 @@ class FleetDutyTests(E2EBase):
         self.assertIsNone(duty_leader(), "the lease was released, not left to expire")
         second = WorkerProcess(slots=1, name="second").start()
         wait_for(lambda: duty_leader() == second.hostname, timeout=30, message="the second worker to lead")
+
+
+class LeaseTests(RedisTestCase):
+    def test_a_follower_tries_again_only_once_the_leaders_lease_may_have_ended(self) -> None:
+        leader, follower = DutyLease("leader"), DutyLease("follower")
+        self.assertTrue(leader.hold())
+        self.assertFalse(follower.hold())  # told how long the lease runs
+        self.redis.config_resetstat()
+        for _ in range(5):
+            self.assertFalse(follower.hold())
+        calls = {k: v["calls"] for k, v in self.redis.info("commandstats").items()}
+        self.assertNotIn("cmdstat_eval", calls, calls)  # no try while the lease surely runs
+        # The leader stops extending (killed): the follower takes over once the lease ends.
+        deadline = time.monotonic() + LEASE_MS / 1000 + 5
+        while not follower.hold() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual(duty_leader(), "follower")
+        self.assertGreater(follower.epoch, 0)
+        self.assertFalse(leader.hold())  # fenced out
 
 
 class RegistryTests(RedisTestCase):

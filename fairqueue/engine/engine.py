@@ -186,20 +186,33 @@ class Engine(_Base):
         raise AssertionError("unreachable")
 
     def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
-        if not calls:
-            return []
+        return self._run_many_after(calls, ())[1]
+
+    def _run_many_after(
+        self, calls: Sequence[ops.Call[T]], before: Sequence[Sequence[Any]]
+    ) -> tuple[list[Any], list[T]]:
+        """The calls pipelined in one round trip, after the caller's `before` commands (sent
+        once, first; their replies, errors included, returned as they came)."""
+        if not calls and not before:
+            return [], []
         pending = list(range(len(calls)))
         raws: list[Any] = [None] * len(calls)
+        head: list[Any] = []
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
+            sent = before if attempt == 0 else ()
+            for command in sent:
+                pipe.execute_command(*command)
             for i in pending:
                 pipe.fcall(*fcall_args(calls[i]))
             results = pipe.execute(raise_on_error=False)
+            if attempt == 0:
+                head, results = list(results[: len(sent)]), results[len(sent) :]
             pending = _collect(pending, results, raws, last=attempt == 1)
             if not pending:
                 break
             self._load()
-        return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
+        return head, [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     def admit(
         self,
@@ -222,6 +235,17 @@ class Engine(_Base):
     def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
         """Bulk submit: every admit pipelined in one round trip, each still atomic."""
         return self._run_many(self._admit_calls(items, require_ready))
+
+    def admit_many_after(
+        self, before: Sequence[Sequence[Any]], items: Iterable[AdmitRequest], *, require_ready: bool = False
+    ) -> tuple[list[Any], list[Admission]]:
+        """``admit_many``, with the caller's own commands (argument lists, opaque to the
+        engine) sent first in the same round trip: bookkeeping of its own that must reach
+        Redis before the admissions and should cost no round trip of its own. Returns their
+        replies as they came (an error is a value, not raised: the admissions stand either
+        way) and the admissions. On a Redis Cluster, commands on other nodes than an
+        admission's are not ordered with it."""
+        return self._run_many_after(self._admit_calls(items, require_ready), before)
 
     def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
         """Free the job's keys; the woken jobs returned must be dispatched by the caller.
@@ -267,6 +291,27 @@ class Engine(_Base):
         if not names:
             return {}
         return self._counts_decode(names, self.client.hmget(name, names))
+
+    def counts_many(self, requests: dict[str, Sequence[str]]) -> dict[str, dict[str, int]]:
+        """``counts`` for many tags (tag -> key names) in one pipelined round trip."""
+        asked = [(tag, *self._counts_args(tag, keys)) for tag, keys in requests.items() if keys]
+        if not asked:
+            return {tag: {} for tag in requests}
+        pipe = self.client.pipeline(transaction=False)
+        for _, name, names in asked:
+            pipe.hmget(name, names)
+        raws = pipe.execute()
+        out: dict[str, dict[str, int]] = {tag: {} for tag in requests}
+        for (tag, _, names), raw in zip(asked, raws, strict=True):
+            out[tag] = self._counts_decode(names, raw)
+        return out
+
+    def set_limits_many(self, limits: dict[str, KeysArg], *, require_ready: bool = False) -> dict[str, list[Woken]]:
+        """``set_limits`` for many tags (tag -> limits) in one pipelined round trip, each
+        call atomic on its own tag."""
+        tags = list(limits)
+        calls = [ops.set_limits(self.prefix, tag=t, limits=limits[t], require_ready=require_ready) for t in tags]
+        return dict(zip(tags, self._run_many(calls), strict=True))
 
     def init_tag(self, *, tag: str) -> bool:
         """Mark a tag ready (idempotent): its state is complete. True if this call did it.
@@ -372,20 +417,32 @@ class AsyncEngine(_Base):
         return call.decode(raw)
 
     async def _run_many(self, calls: Sequence[ops.Call[T]]) -> list[T]:
-        if not calls:
-            return []
+        return (await self._run_many_after(calls, ()))[1]
+
+    async def _run_many_after(
+        self, calls: Sequence[ops.Call[T]], before: Sequence[Sequence[Any]]
+    ) -> tuple[list[Any], list[T]]:
+        """See ``Engine._run_many_after``."""
+        if not calls and not before:
+            return [], []
         pending = list(range(len(calls)))
         raws: list[Any] = [None] * len(calls)
+        head: list[Any] = []
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
+            sent = before if attempt == 0 else ()
+            for command in sent:
+                pipe.execute_command(*command)
             for i in pending:
                 pipe.fcall(*fcall_args(calls[i]))
             results = await pipe.execute(raise_on_error=False)
+            if attempt == 0:
+                head, results = list(results[: len(sent)]), results[len(sent) :]
             pending = _collect(pending, results, raws, last=attempt == 1)
             if not pending:
                 break
             await self._load()
-        return [c.decode(r) for c, r in zip(calls, raws, strict=True)]
+        return head, [c.decode(r) for c, r in zip(calls, raws, strict=True)]
 
     async def admit(
         self,
@@ -404,6 +461,12 @@ class AsyncEngine(_Base):
     async def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
         """See ``Engine.admit_many``."""
         return await self._run_many(self._admit_calls(items, require_ready))
+
+    async def admit_many_after(
+        self, before: Sequence[Sequence[Any]], items: Iterable[AdmitRequest], *, require_ready: bool = False
+    ) -> tuple[list[Any], list[Admission]]:
+        """See ``Engine.admit_many_after``."""
+        return await self._run_many_after(self._admit_calls(items, require_ready), before)
 
     async def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
         """See ``Engine.release``."""

@@ -9,6 +9,7 @@ common outcomes are a bare integer.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -83,10 +84,13 @@ def _check_job_id(job_id: str) -> str:
     return job_id
 
 
+_RESERVED_CHARS = re.compile("[\\0\\1\\2\\3]")  # the scripts' field separators
+
+
 def _check_key_name(name: object) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"key names must be non-empty strings, got {name!r}")
-    if any(c in name for c in "\0\1\2\3"):
+    if _RESERVED_CHARS.search(name):
         raise ValueError(f"key names must not contain \\0, \\1, \\2 or \\3: {name!r}")
     return name
 

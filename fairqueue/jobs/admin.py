@@ -128,7 +128,7 @@ class JobAdmin(admin.ModelAdmin):
             finished_at=None,
             timeline=tl.appended(tl.line(tl.REQUEUED, "retried by an operator")),
         )
-        jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")))
+        jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")), enter_cells=True)
         self.message_user(request, f"Re-queued {len(failed)} failed job(s).", messages.SUCCESS)
 
 

@@ -55,7 +55,8 @@ def job_back_off(job: Job, refusal: Backoff, *, started: datetime) -> str:
     )
     job_release(tag=job.engine_tag, engine_id=job.engine_id, keys=job.engine_key_names or None)
     if requeued:
-        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job.id, status=JobStatus.QUEUED)))
+        again = list(Job.objects.select_related("tenant__shard").filter(id=job.id, status=JobStatus.QUEUED))
+        jobs_admit(again, policy=policy, enter_cells=True)  # it waits again, from when it first waited
     return "backoff"
 
 

@@ -7,7 +7,7 @@ import logging
 
 from django.utils import timezone
 
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
@@ -55,6 +55,8 @@ def job_cancel(*, job: Job) -> Job:
         raise JobError(409, "not_cancellable", "The job keeps changing; retry the cancel.", None)
     stats.count("finished:cancelled")
     if was not in DEFERRED_STATUSES:
-        # A deferred job holds nothing: its last attempt's release happened when it failed.
+        # A deferred job holds nothing and waits in no cell: its last attempt's release
+        # happened when it failed.
+        cells.jobs_leave([str(job.id)])
         job_release_or_defer(job)
     return job

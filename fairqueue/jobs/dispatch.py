@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from fairqueue import tracing
 from fairqueue.engine import Admission, AdmitRequest, Woken
-from fairqueue.jobs import live, stats
+from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import (
     AdmissionPlan,
@@ -54,8 +54,13 @@ def jobs_admit(
     rebuilding: bool = False,
     strict: bool = False,
     fresh: bool = False,
+    enter_cells: bool = False,
 ) -> None:
     """Ask the engine for a slot for each job (one pipelined round trip); dispatch or park.
+
+    `enter_cells=True`: the jobs start to wait with this admission (submitted, due,
+    re-delivered, requeued): they enter their cells (fairqueue.jobs.cells) in the same
+    round trip, just before the admissions.
 
     Redis trouble here leaves the jobs `queued` in the database, where recovery admits
     them later (fairqueue.jobs.recovery). `running=True` re-enters jobs that are already
@@ -85,6 +90,7 @@ def jobs_admit(
             running=running,
             require_ready=not running and not rebuilding,
             fresh=fresh,
+            enter_cells=enter_cells,
         )
     except redis.RedisError:
         if strict:
@@ -308,7 +314,14 @@ def _admissions_span(
 
 
 def _jobs_admit(
-    jobs: Sequence[Job], *, policy: PolicySnapshot, dispatch: bool, running: bool, require_ready: bool, fresh: bool
+    jobs: Sequence[Job],
+    *,
+    policy: PolicySnapshot,
+    dispatch: bool,
+    running: bool,
+    require_ready: bool,
+    fresh: bool,
+    enter_cells: bool,
 ) -> None:
     lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
     items = []
@@ -350,9 +363,12 @@ def _jobs_admit(
         )
         plans.append(plan)
         admitted_jobs.append(job)
+    entry = cells.entry_prepare(admitted_jobs, policy=policy) if enter_cells else None
     started = time.perf_counter()
-    outcomes: list[Admission] = engine().admit_many(items)
+    replies, outcomes = engine().admit_many_after(entry.commands if entry else [], items)
     stats.observe("admit", (time.perf_counter() - started) / max(len(items), 1))
+    if entry is not None:
+        cells.entry_done(entry, replies)
     unready = [i for i, o in enumerate(outcomes) if o.not_ready]
     if unready:
         retry = _tags_init_if_idle({items[i].tag for i in unready}, policy, admitted_jobs)
@@ -366,6 +382,7 @@ def _jobs_admit(
         return
     now = timezone.now()
     pairs = list(zip(admitted_jobs, outcomes, strict=True))
+    was_parked = [str(j.id) for j, o in pairs if (o.admitted or o.not_ready) and j.status == JobStatus.PARKED]
     waiting = [j for j, o in pairs if o.not_ready]
     parked = [(j, o) for j, o in pairs if not o.admitted and not o.not_ready]
     go = [j for j, o in pairs if o.admitted]
@@ -401,6 +418,10 @@ def _jobs_admit(
             admitted_at=Coalesce("admitted_at", Value(now)),
             timeline=tl.appended(tl.line(tl.ADMITTED, at=now)),
         )
+    if parked:
+        cells.jobs_park([j for j, _ in parked], policy=policy)
+    if was_parked:
+        cells.jobs_unpark(was_parked)
     for job, outcome in pairs:
         if outcome.admitted:
             if job.admitted_at is None:
@@ -447,6 +468,7 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         now = timezone.now()
         waits_trace(woken)
         _publish([(w.job_id, w.data) for w in woken])
+        cells.jobs_unpark(split_engine_id(w.job_id)[0] for w in woken)
         line = tl.line(tl.WOKEN, at=now)
         for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
             Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
@@ -486,6 +508,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
     poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
     policy = policy_snapshot()
     again: list[Job] = []
+    failed: list[str] = []
     for engine_id in engine_ids:
         job_id, gen = split_engine_id(engine_id)
         with transaction.atomic():
@@ -518,6 +541,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)
+            if job.status == JobStatus.FAILED:
+                failed.append(str(job.id))
             job.save(
                 update_fields=[
                     "engine_tag",
@@ -534,7 +559,8 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
             )
             event_record(job)  # a no-op unless it just failed for good and has a webhook target
         log.warning("re-delivering job %s (lease expired, generation %s)", job_id, gen)
-    jobs_admit(again)
+    cells.jobs_leave(failed)
+    jobs_admit(again, policy=policy, enter_cells=True)
 
 
 # Picks, among the jobs a release woke, one the caller runs itself in the slot it freed

@@ -85,7 +85,7 @@ def _admit(jobs: list[Job], policy: PolicySnapshot) -> None:
     then costs no second write, only a parked one is updated). If the admission does not
     happen the mark is cleared, so the pending sweep admits them (fairqueue.jobs.recovery)."""
     try:
-        jobs_admit(jobs, policy=policy, strict=True, fresh=True)
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=True)  # they wait from due_at
     except Exception:
         log.warning("%d due job(s) not admitted now; the pending sweep admits them", len(jobs), exc_info=True)
         pending = tl.line(tl.PENDING, "not admitted when due")

@@ -14,16 +14,16 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from fairqueue.jobs import live
+from fairqueue.engine import KeysArg
+from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.due import jobs_promote_due
-from fairqueue.jobs.limits_plan import limits_plan
-from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
+from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.resource_keys import resource_limits_refresh
@@ -64,6 +64,12 @@ def retention_step() -> None:
     retention_due_prune()
 
 
+def cells_step() -> None:
+    """Build the cells if Redis has none, else check their oldest jobs (bounded)."""
+    if cells.cells_ensure() < 0:
+        cells.cells_audit()
+
+
 def scheduler_tick() -> None:
     """The periodic duties any worker may perform; all are atomic and safe to overlap.
     Each runs on its own: one failing (say, the database) does not stop the others."""
@@ -86,6 +92,7 @@ def scheduler_tick() -> None:
         retention_step,
         capacity_step,
         webhooks_send_due,
+        cells_step,
     ]
     for duty in duties:
         try:
@@ -104,19 +111,21 @@ def batch_promote_due(*, limit: int = 200) -> int:
     cutoff = timezone.now() - timedelta(seconds=policy.pool.batch_objective_seconds * BATCH_PROMOTE_AT)
     due = list(
         Job.objects.select_related("tenant__shard")
-        .filter(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)
+        .filter(BATCH_DUE)
         # A delayed or retried job has waited since it became due, not since its submit.
-        .alias(waiting_since=Coalesce("due_at", "submitted_at"))
+        .alias(waiting_since=WAITING_SINCE)
         .filter(waiting_since__lte=cutoff)
         .order_by("waiting_since")[:limit]
     )
     promoted = [job for job in due if batch_promote(job, policy=policy)]
-    jobs_admit(promoted, policy=policy)
+    # From the batch lane's cells to its class's, in the admission's round trip.
+    jobs_admit(promoted, policy=policy, enter_cells=True)
     return len(promoted)
 
 
 def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
-    """Take one parked batch job out of the batch lane (the caller admits it again).
+    """Take one parked batch job out of the batch lane (the caller admits it again, into
+    its class's cells: `jobs_admit(enter_cells=True)`).
 
     Safe against every other transition: the engine's cancel is atomic (of two promoters
     one wins; a job woken meanwhile stays where it is), and the row changes only if it is
@@ -144,6 +153,33 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
     return True
 
 
+@dataclasses.dataclass
+class _Pushed:
+    """The limits this process last sent the engine, per tag, to send only changes."""
+
+    limits: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # tag -> key -> limit
+    turn: int = 0  # which tag gets all its limits sent this tick (see limits_refresh)
+
+
+_pushed = _Pushed()
+
+
+@dataclasses.dataclass
+class _Planned:
+    """The last tick's plan, what it was computed from and what was derived from it. A tick
+    whose inputs all equal the last one's (the steady state of a large fleet: most tenants
+    idle, nothing moving) reuses them rather than run the formula over every tenant again;
+    a shard at capacity (whose waiters the caps read) always recomputes."""
+
+    inputs: tuple[object, ...] | None = None
+    plan: LimitsPlan | None = None
+    published: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    wanted: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+
+
+_planned = _Planned()
+
+
 def limits_refresh() -> int:
     """Push every tenant's current limit (and each shard's batch room) to the engine.
 
@@ -154,55 +190,107 @@ def limits_refresh() -> int:
     computes every tenant's max-min fair share of the pool (tenants.limits.fair_shares),
     below which pressure never squeezes it, and, where a shard's capacity binds, caps the
     tenants that want more than their fair share of the shard (tenants.limits.shard_caps).
-    One round trip per shard to read holders (one more for a full shard's waiters), one per
-    shard to set limits.
+
+    In bulk, whatever the number of tenants: one pipelined read of every tenant's signals
+    (live.signals_read_many), one of every shard's holders (one more per full shard for
+    its waiters), one publication of what changed and one pipelined write of the limits
+    that changed. An admit passes its own limit too, so the engine's may differ from what
+    this process last sent (one that missed a publication): each tick also sends one tag's
+    limits whole, in turn, which corrects any within a tag count of ticks.
     """
+    global _planned
     policy = policy_snapshot()
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
-    cached = {slug: live.live_signals(tenant_slug=slug) for slug in policy.tenants}
     # The tick decides afresh: what it published last time (shares, caps, its limits) is
     # not an input, except each tenant's previous cap (see _key_limit).
-    signals = {
-        slug: dataclasses.replace(s, idle_share=0, shard_cap=None, tick_limit=None) for slug, s in cached.items()
-    }
+    signals = live.signals_read_many(list(policy.tenants), fleet=fleet)
+    members_of: dict[str, list[str]] = {name: [] for name in policy.shards}
+    for tp in policy.tenants.values():
+        if tp.shard in members_of:
+            members_of[tp.shard].append(tp.slug)
+    counts = engine().counts_many(
+        {shard_tag(name): [SHARD_KEY, *(tenant_key(slug) for slug in members)] for name, members in members_of.items()}
+    )
     held: dict[str, int] = {}
     shard_held: dict[str, int] = {}
-    for shard_name in policy.shards:
-        members = [tp.slug for tp in policy.tenants.values() if tp.shard == shard_name]
-        counts = engine().counts(tag=shard_tag(shard_name), keys=[SHARD_KEY, *(tenant_key(slug) for slug in members)])
-        shard_held[shard_name] = counts.get(SHARD_KEY, 0)
-        held.update({slug: counts.get(tenant_key(slug), 0) for slug in members})
-    previous_caps = {slug: c.shard_cap for slug, c in cached.items()}
-    plan = limits_plan(
-        policy=policy,
-        signals=signals,
-        held=held,
-        slots=fleet.slots,
-        in_flight=fleet.in_flight + fleet.batch_in_flight,
-        caps_for=lambda formulas: _shard_caps(policy, fleet, formulas, held, shard_held, previous_caps),
-    )
-    # The limits this tick sets are published too: a process admitting a tenant's jobs
-    # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than one
-    # from its own view of the pool, up to a second older, which would pull an idle share
-    # or a shard cap back between ticks (a burst's later chunks reset its limit to the bare
-    # formula while the pool sat idle).
-    limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
-    published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
-    live.shares_publish(plan.idle, plan.fair, plan.caps, published)
+    for name, members in members_of.items():
+        shard_counts = counts[shard_tag(name)]
+        shard_held[name] = shard_counts.get(SHARD_KEY, 0)
+        held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
+    previous_caps: dict[str, int | None] = dict(live.shard_caps_read())
+    capacities = {
+        name: max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0)) for name, shard in policy.shards.items()
+    }
+    inputs = (dataclasses.replace(fleet, at=0.0), signals, held, shard_held, previous_caps)
+    if (
+        _planned.plan is not None
+        and _planned.inputs is not None
+        and _planned.inputs[0] is policy
+        and _planned.inputs[1:] == inputs
+        and all(shard_held[name] < capacity for name, capacity in capacities.items())
+    ):
+        plan, published, wanted = _planned.plan, _planned.published, _planned.wanted
+        reused = True
+    else:
+        plan = limits_plan(
+            policy=policy,
+            signals=signals,
+            held=held,
+            slots=fleet.slots,
+            in_flight=fleet.in_flight + fleet.batch_in_flight,
+            caps_for=lambda formulas: _shard_caps(policy, fleet, members_of, formulas, held, shard_held, previous_caps),
+        )
+        # The limits this tick sets are published too: a process admitting a tenant's jobs
+        # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than
+        # one from its own view of the pool, up to a second older, which would pull an idle
+        # share or a shard cap back between ticks (a burst's later chunks reset its limit to
+        # the bare formula while the pool sat idle).
+        limits_set = {slug: plan.limit(slug) for slug in plan.breakdowns}
+        published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
+        wanted = {}
+        for name in policy.shards:
+            limits = {SHARD_KEY: capacities[name], BATCH_KEY: fleet.batch_limit(name)}
+            limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
+            wanted[shard_tag(name)] = limits
+        _planned = _Planned(inputs=(policy, *inputs), plan=plan, published=published, wanted=wanted)
+        reused = False
+    if live.shares_publish(plan.idle, plan.fair, plan.caps, published, unchanged=reused):
+        # What this process remembers sending may not hold either (another process ticked
+        # meanwhile, or Redis lost its data): send every limit this tick.
+        _pushed.limits.clear()
+    whole = sorted(wanted)[_pushed.turn % len(wanted)] if wanted else None
+    _pushed.turn += 1
+    sending: dict[str, KeysArg] = {}
+    for tag, limits in wanted.items():
+        before = {} if tag == whole else _pushed.limits.get(tag, {})
+        if before is limits:
+            continue  # the very limits sent last tick (a reused plan)
+        changed = {key: limit for key, limit in limits.items() if before.get(key) != limit}
+        if changed:
+            sending[tag] = changed
+    # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
+    # bring the limits, and waking waiters there could pass jobs the engine forgot. Its
+    # limits are then not remembered as sent: all go with the next tick.
+    results = engine().set_limits_many(sending, require_ready=True) if sending else {}
+    ready = engine().ready_tags(list(results)) if results else set()
+    for tag in sending:
+        if tag in ready:
+            _pushed.limits[tag] = wanted[tag]
+        else:
+            _pushed.limits.pop(tag, None)
     woken = 0
-    for shard_name, shard in policy.shards.items():
-        capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
-        limits = {SHARD_KEY: capacity, BATCH_KEY: fleet.batch_limit(shard_name)}
-        for tp in policy.tenants.values():
-            if tp.shard == shard_name:
-                limits[tenant_key(tp.slug)] = limits_set[tp.slug]
-        # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits
-        # bring the limits, and waking waiters there could pass jobs the engine forgot.
-        result = engine().set_limits(tag=shard_tag(shard_name), limits=limits, require_ready=True)
+    for result in results.values():
         if result:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def limits_pushed_forget() -> None:
+    """Send every limit with the next tick, computed afresh (tests; a rebuilt tag)."""
+    global _pushed, _planned
+    _pushed = _Pushed()
+    _planned = _Planned()
 
 
 def _key_limit(formula: int, cap: int | None) -> int:
@@ -212,6 +300,7 @@ def _key_limit(formula: int, cap: int | None) -> int:
 def _shard_caps(
     policy: PolicySnapshot,
     fleet: live.FleetState,
+    members_of: dict[str, list[str]],
     formulas: dict[str, int],
     held: dict[str, int],
     shard_held: dict[str, int],
@@ -222,7 +311,7 @@ def _shard_caps(
     allows now: its formula, or the cap it was given last tick."""
     caps: dict[str, int] = {}
     for shard_name, shard in policy.shards.items():
-        members = [tp for tp in policy.tenants.values() if tp.shard == shard_name]
+        members = [policy.tenants[slug] for slug in members_of[shard_name]]
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         wanting = {tp.slug for tp in members if held[tp.slug] >= _key_limit(formulas[tp.slug], previous.get(tp.slug))}
         if not wanting:

@@ -25,7 +25,7 @@ from django.utils import timezone
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
-from fairqueue.jobs import handback, live, payloads, stats
+from fairqueue.jobs import cells, handback, live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -163,6 +163,7 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     tracing.event("started", attempt=job.attempts + 1, worker=worker)
     tracing.job_span_hold(job.engine_id)
+    cells.jobs_leave([str(job.id)])
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
@@ -295,5 +296,5 @@ def job_requeue_graceful(*, engine_id: str, tag: str) -> bool:
     )
     job_release(tag=tag, engine_id=engine_id)
     if moved:
-        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)))
+        jobs_admit(list(Job.objects.select_related("tenant__shard").filter(id=job_id)), enter_cells=True)
     return bool(moved)

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.utils import timezone
 from pydantic import ValidationError
 
-from fairqueue.jobs import payloads, stats
+from fairqueue.jobs import cells, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import class_level
 from fairqueue.jobs.broker import delivery_publish, delivery_route
@@ -109,6 +109,7 @@ def _fail(job: Job, reason: str, *, count: int, key: str) -> str:
     if not failed:
         return "skipped"  # cancelled or re-delivered meanwhile: that path owns the slots
     stats.count("finished:failed")
+    cells.jobs_leave([str(job.id)])
     job_release_or_defer(job)
     log.warning("job %s failed as unknown_task after %d hand-back(s): %s", job.id, count, reason)
     return "failed"

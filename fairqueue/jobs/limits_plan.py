@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from fairqueue.jobs.admission import LiveSignals, tenant_limit_for
 from tenants.limits import LimitBreakdown, fair_shares, idle_shares
-from tenants.policy import PolicySnapshot
+from tenants.policy import PolicySnapshot, TenantPolicy
 
 # Unheld slots are shared out up to slots * (1 + OVERCOMMIT): a job in transit to a worker
 # holds a slot it is not yet using, and without a little overcommit workers would idle.
@@ -45,6 +45,44 @@ class LimitsPlan:
         return self.breakdowns[slug].limit
 
 
+class _Memo:
+    """`tenant_limit_for` and the signals with shares, computed once per distinct input.
+
+    A breakdown depends on the tenant's policy numbers (not its slug or name) and its
+    signals. Signals are keyed by identity (hashing a dataclass by value costs more than
+    the formula): the caller's dicts keep them alive for the call, and the memo keeps every
+    signals object it made, so an id is never reused while the memo lives. The tick passes
+    one object for tenants with equal signals (fairqueue.jobs.live interns them).
+    """
+
+    def __init__(self, policy: PolicySnapshot) -> None:
+        self.policy = policy
+        self._breakdowns: dict[tuple[object, ...], LimitBreakdown] = {}
+        self._signals: dict[tuple[int, int, float | None], LiveSignals] = {}
+        self._capped: dict[tuple[int, int, int | None], LiveSignals] = {}
+
+    def breakdown(self, tp: TenantPolicy, signals: LiveSignals) -> LimitBreakdown:
+        key = (tp.shard, tp.floor, tp.burst_floor, tp.burst_pct, tp.max_concurrency, tp.dedicated, id(signals))
+        found = self._breakdowns.get(key)
+        if found is None:
+            found = self._breakdowns[key] = tenant_limit_for(self.policy, tp, signals)
+        return found
+
+    def signals(self, signals: LiveSignals, *, idle_share: int, fair_share: float | None) -> LiveSignals:
+        key = (id(signals), idle_share, fair_share)
+        found = self._signals.get(key)
+        if found is None:
+            found = self._signals[key] = dataclasses.replace(signals, idle_share=idle_share, fair_share=fair_share)
+        return found
+
+    def with_share_and_cap(self, signals: LiveSignals, *, idle_share: int, shard_cap: int | None) -> LiveSignals:
+        key = (id(signals), idle_share, shard_cap)
+        found = self._capped.get(key)
+        if found is None:
+            found = self._capped[key] = dataclasses.replace(signals, idle_share=idle_share, shard_cap=shard_cap)
+        return found
+
+
 def limits_plan(
     *,
     policy: PolicySnapshot,
@@ -59,10 +97,12 @@ def limits_plan(
     pool's live slots and `in_flight` every job holding a slot, batch included. `caps_for`,
     given each tenant's formula limit, returns the shard caps (none when not given)."""
     # A ceiling depends on neither share: the signals as given serve for step 1. (The
-    # what-if calls this every simulated half second: each replace below is a real cost.)
+    # what-if calls this every simulated half second, the tick with ten thousand tenants:
+    # tenants alike in policy and signals, most idle ones, share one computation.)
+    memo = _Memo(policy)
     ceilings = {}
     for slug, tp in policy.tenants.items():
-        ceiling = tenant_limit_for(policy, tp, signals[slug]).ceiling
+        ceiling = memo.breakdown(tp, signals[slug]).ceiling
         ceilings[slug] = min(ceiling, tp.max_concurrency) if tp.max_concurrency is not None else ceiling
     fair = fair_shares(
         pool_target=slots * policy.pool.target_utilisation,
@@ -73,8 +113,8 @@ def limits_plan(
     planned = dict(signals)
     formulas: dict[str, LimitBreakdown] = {}
     for tp in members:
-        planned[tp.slug] = dataclasses.replace(signals[tp.slug], idle_share=0, fair_share=fair.get(tp.slug))
-        formulas[tp.slug] = tenant_limit_for(policy, tp, planned[tp.slug])
+        planned[tp.slug] = memo.signals(signals[tp.slug], idle_share=0, fair_share=fair.get(tp.slug))
+        formulas[tp.slug] = memo.breakdown(tp, planned[tp.slug])
     capped = {
         tp.slug
         for tp in members
@@ -97,8 +137,8 @@ def limits_plan(
         share = shares.get(tp.slug, 0)
         cap = caps.get(tp.slug)
         if share or cap is not None:
-            planned[tp.slug] = dataclasses.replace(planned[tp.slug], idle_share=share, shard_cap=cap)
-            breakdowns[tp.slug] = tenant_limit_for(policy, tp, planned[tp.slug])
+            planned[tp.slug] = memo.with_share_and_cap(planned[tp.slug], idle_share=share, shard_cap=cap)
+            breakdowns[tp.slug] = memo.breakdown(tp, planned[tp.slug])
         else:  # the formula's own decision stands
             breakdowns[tp.slug] = formulas[tp.slug]
     return LimitsPlan(fair=fair, idle=shares, signals=planned, breakdowns=breakdowns, caps=caps)

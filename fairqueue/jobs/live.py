@@ -18,6 +18,7 @@ import hashlib
 import statistics
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,12 +70,17 @@ def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], 
 # The tick's shares are published in one MULTI, so they share a Redis Cluster hash tag.
 SHARES_KEY = "fq:{limits}:idle_share"  # HASH slug -> bonus; expires if no worker ticks
 SHARES_TTL_SECONDS = 3
+SHARES_MIN_TTL_MS = 1000  # a publication with less left is written whole (it may expire mid-write)
 FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of the pool target
 SHARD_CAPS_KEY = "fq:{limits}:shard_cap"  # HASH slug -> cap where its shard binds (tenants.limits.shard_caps)
 TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> "<limit the tick set> <held elsewhere in it>"
+SHARES_MARKER_KEY = "fq:{limits}:published"  # the last publisher's token (see shares_publish)
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
 HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
+
+
+RING_EPOCH_KEY = "fq:rate:epoch"  # bumped when a completed bucket is written (tests)
 
 
 def rate_key(slug: str) -> str:
@@ -157,7 +163,7 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
     With `now` (tests), the count is written to the ring at once for that instant.
     """
     if now is not None:
-        _ring_add(tenant_slug, count, now)
+        _ring_add(tenant_slug, count, now, past=True)
         return
     with _lock:
         entry = _tenants.setdefault(tenant_slug, _TenantCache())
@@ -175,10 +181,14 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
                 entry.pending += pending
 
 
-def _ring_add(slug: str, count: int, now: float) -> None:
+def _ring_add(slug: str, count: int, now: float, *, past: bool = False) -> None:
     window = _window()
     bucket = int(now // _bucket_seconds(window))
     pipe = redis_client().pipeline(transaction=False)
+    if past:
+        # A count for a given instant may land in a completed bucket, which readers cache
+        # (signals_read_many): tell them to read every ring again.
+        pipe.incr(RING_EPOCH_KEY)
     pipe.hincrby(rate_key(slug), str(bucket), count)
     pipe.hdel(rate_key(slug), *[str(bucket - RING_BUCKETS - i) for i in range(1, 4)])
     pipe.expire(rate_key(slug), window * 2 + 60)
@@ -223,6 +233,103 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
     return rate_from_ring(counts, window_seconds=window), (float(mean) if mean else None)
 
 
+@dataclass
+class _RingCache:
+    bucket: int  # the ring's current bucket when it was read: completed buckets never change
+    rate: float
+    mean: float | None
+
+
+_rings: dict[str, _RingCache] = {}
+_rings_epoch: str | None = None
+
+
+def signals_read_many(
+    slugs: list[str], *, now: float | None = None, fleet: FleetState | None = None
+) -> dict[str, LiveSignals]:
+    """Every tenant's (rate, mean) for the duty tick, in one pipelined round trip, as
+    `LiveSignals` with the pool's figures and slots held elsewhere from `fleet` (none
+    without it) and no shares; tenants with equal signals share one object
+    (fairqueue.jobs.limits_plan computes once per distinct object).
+
+    The rate reads only completed ring buckets, which never change once complete, so a
+    ring is read again only when its current bucket moved on; the mean (which every
+    finished job moves) is read each call, but only for tenants with a rate: with none,
+    the formula's base is the floor whatever the mean. Counts and durations this process
+    holds ride along, as in `tenant_signals_read`.
+    """
+    global _rings_epoch
+    window = _window()
+    now = time.time() if now is None else now
+    current = int(now // _bucket_seconds(window))
+    fields = [str(current - i) for i in range(1, RING_BUCKETS + 1)]
+    epoch: str | None = redis_client().get(RING_EPOCH_KEY)  # type: ignore[assignment]  # a text-mode client
+    if epoch != _rings_epoch:
+        _rings.clear()
+        _rings_epoch = epoch
+    durations: list[tuple[str, float]] = []
+    pending: dict[str, int] = {}
+    with _lock:
+        for slug in slugs:
+            entry = _tenants.get(slug)
+            if entry is None:
+                continue
+            if entry.pending:
+                pending[slug], entry.pending = entry.pending, 0
+            if entry.durations:
+                durations += [(slug, d) for d in entry.durations]
+                entry.durations = []
+                entry.means_flushed_at = time.monotonic()
+    stale = [s for s in slugs if (c := _rings.get(s)) is None or c.bucket != current]
+    stale_set = set(stale)
+    with_rate = [s for s in slugs if s in stale_set or _rings[s].rate > 0]
+    pipe = redis_client().pipeline(transaction=False)
+    _queue_means(pipe, durations)
+    for slug, count in pending.items():
+        pipe.hincrby(rate_key(slug), str(current), count)
+        pipe.expire(rate_key(slug), window * 2 + 60)
+    for slug in stale:
+        pipe.hmget(rate_key(slug), fields)
+    for slug in with_rate:
+        pipe.get(mean_key(slug))
+    results, redone = _execute(pipe, durations)
+    results = results[2 * len(pending) :]
+    rings, means = results[: len(stale)], results[len(stale) :]
+    if redone:
+        means = [redis_client().get(mean_key(slug)) for slug in with_rate]
+    for slug, ring in zip(stale, rings, strict=True):
+        rate = rate_from_ring([int(c or 0) for c in ring], window_seconds=window)
+        _rings[slug] = _RingCache(bucket=current, rate=rate, mean=None)
+    for slug, mean in zip(with_rate, means, strict=True):
+        _rings[slug].mean = float(mean) if mean else None
+    tenants = policy_snapshot().tenants
+    held = fleet.held_elsewhere if fleet is not None else {}
+    slots, in_flight = (fleet.slots, fleet.in_flight) if fleet is not None else (0, 0)
+    interned: dict[tuple[float, float | None, int, int], LiveSignals] = {}
+    out: dict[str, LiveSignals] = {}
+    for slug in slugs:
+        cached = _rings[slug]
+        tenant = tenants.get(slug)
+        key = (
+            cached.rate,
+            cached.mean if cached.rate > 0 else None,
+            held.get(f"t:{slug}", 0) if held else 0,
+            held.get(f"s:{tenant.shard}", 0) if held and tenant else 0,
+        )
+        found = interned.get(key)
+        if found is None:
+            found = interned[key] = LiveSignals(
+                rate_per_min=key[0],
+                mean_seconds=key[1],
+                pool_slots=slots,
+                in_flight=in_flight,
+                held_elsewhere=key[2],
+                shard_held_elsewhere=key[3],
+            )
+        out[slug] = found
+    return out
+
+
 def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
     """Fold a finished job's duration into the tenant's exponentially weighted mean.
 
@@ -258,8 +365,9 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
     in_flight = 0
     batch_by_shard: dict[str, int] = {}
     held = {str(k): int(v) for k, v in redis_client().hgetall(HELD_ELSEWHERE_KEY).items()}
+    by_tag = engine().counts_many({shard_tag(shard): [SHARD_KEY, BATCH_KEY] for shard in policy.shards})
     for shard in policy.shards:
-        counts = engine().counts(tag=shard_tag(shard), keys=[SHARD_KEY, BATCH_KEY])
+        counts = by_tag[shard_tag(shard)]
         batch_by_shard[shard] = counts.get(BATCH_KEY, 0)
         in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0)
     batch = sum(batch_by_shard.values())
@@ -329,41 +437,93 @@ def tick_limit_parse(raw: str | bytes | None) -> tuple[int | None, int]:
     return int(limit), int(held or 0)
 
 
+@dataclass
+class _Publication:
+    """What this process last published with `shares_publish`, to send only changes."""
+
+    token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    values: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+_publication = _Publication()
+
+
 def shares_publish(
     idle: dict[str, int],
     fair: dict[str, float] | None = None,
     caps: dict[str, int] | None = None,
     limits: dict[str, tuple[int, int]] | None = None,
-) -> None:
+    *,
+    unchanged: bool = False,
+) -> bool:
     """Make the tick's idle shares, fair shares, shard caps and the limits it sets visible
-    to every admitting process (one round trip); they expire if no worker ticks."""
+    to every admitting process; they expire if no worker ticks.
+
+    Only what changed since this process's last publication is written (with ten thousand
+    tenants, rewriting every field each tick was most of the tick's Redis work), unless
+    someone else published since (SHARES_MARKER_KEY names the last publisher) or ours may
+    have expired: then everything. One read of the marker, one MULTI. `unchanged`: the
+    caller says all four equal its last call's (the tick reused its plan), so only their
+    lifetimes are renewed. Returns whether everything was written (what this process
+    remembers of Redis no longer held).
+    """
     fair = fair or {}
     caps = caps or {}
     limits = limits or {}
-    pipe = redis_client().pipeline(transaction=True)
-    published: tuple[tuple[str, dict[str, Any]], ...] = (
-        (SHARES_KEY, dict(idle)),
-        (FAIR_SHARES_KEY, {k: f"{v:.3f}" for k, v in fair.items()}),
-        (SHARD_CAPS_KEY, dict(caps)),
-        (TICK_LIMITS_KEY, {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()}),
-    )
-    for key, values in published:
-        pipe.delete(key)
-        if values:
-            pipe.hset(key, mapping=dict[Any, Any](values))
+    client = redis_client()
+    check = client.pipeline(transaction=False)
+    check.get(SHARES_MARKER_KEY)
+    check.pttl(SHARES_MARKER_KEY)
+    marker, marker_ttl_ms = check.execute()
+    # The marker expires with the hashes (same MULTI, same TTL): while it names us with
+    # time to spare, they hold what we last wrote.
+    full = marker != _publication.token or marker_ttl_ms < SHARES_MIN_TTL_MS
+    same = unchanged and bool(_publication.values)
+    if same and not full:
+        values = _publication.values
+    else:
+        values = {
+            SHARES_KEY: {k: str(v) for k, v in idle.items()},
+            FAIR_SHARES_KEY: {k: f"{v:.3f}" for k, v in fair.items()},
+            SHARD_CAPS_KEY: {k: str(v) for k, v in caps.items()},
+            TICK_LIMITS_KEY: {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()},
+        }
+    pipe = client.pipeline(transaction=True)
+    for key, new in values.items():
+        if not (same and not full):
+            old = {} if full else _publication.values.get(key, {})
+            if full:
+                pipe.delete(key)
+            gone = [k for k in old if k not in new]
+            if gone:
+                pipe.hdel(key, *gone)
+            changed = {k: v for k, v in new.items() if old.get(k) != v}
+            if changed:
+                pipe.hset(key, mapping=dict[Any, Any](changed))
+        if new:
             pipe.expire(key, SHARES_TTL_SECONDS)
+    pipe.set(SHARES_MARKER_KEY, _publication.token, ex=SHARES_TTL_SECONDS)
     pipe.execute()
+    _publication.values = values
     with _lock:
         for slug, entry in _tenants.items():
             entry.idle_share = idle.get(slug, 0)
             entry.fair_share = fair.get(slug)
             entry.shard_cap = caps.get(slug)
             entry.tick_limit, entry.tick_held_elsewhere = limits.get(slug, (None, 0))
+    return full
+
+
+def shard_caps_read() -> dict[str, int]:
+    """The shard caps the tick last published (few: only where a shard binds)."""
+    return {str(k): int(v) for k, v in redis_client().hgetall(SHARD_CAPS_KEY).items()}
 
 
 def live_invalidate() -> None:
     """Forget cached signals (tests; a changed policy)."""
-    global _fleet
+    global _fleet, _publication
     with _lock:
         _tenants.clear()
+        _rings.clear()
     _fleet = FleetState()
+    _publication = _Publication()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
+from django.db.models.functions import Coalesce
 
 
 class JobStatus(models.TextChoices):
@@ -27,6 +28,19 @@ UNFINISHED_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED, JobStatus.R
 DEFERRED_STATUSES = frozenset({JobStatus.SCHEDULED, JobStatus.RETRYING})
 # Key names never contain a space (sub-tenant ids are printable ASCII without spaces).
 KEY_SEPARATOR = " "
+
+
+# Partial-index conditions, each the exact filter of the query it serves (PostgreSQL uses a
+# partial index only where the query's WHERE implies its condition).
+ADMISSION_PENDING = models.Q(status=JobStatus.QUEUED, admitted_at__isnull=True)  # recovery.jobs_admit_pending
+BATCH_DUE = models.Q(batch=True, promoted_at__isnull=True, status=JobStatus.PARKED)  # duties.batch_promote_due
+PRUNABLE = models.Q(status__in=sorted(TERMINAL_STATUSES), release_pending=False)  # retention.prunable_jobs
+RECONCILED = models.Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | models.Q(
+    status=JobStatus.QUEUED, admitted_at__isnull=False
+)  # recovery.reconcile's candidates
+# When a waiting job started to wait: its due time if it was delayed or retried, else its
+# submit time (the SLO age; batch promotion; the rebuild's order).
+WAITING_SINCE = Coalesce("due_at", "submitted_at")
 
 
 class Job(models.Model):
@@ -118,6 +132,14 @@ class Job(models.Model):
             ),
             # The due promotion reads only the due rows of the deferred statuses, in due order.
             models.Index(fields=["status", "due_at"], name="job_status_due"),
+            # The duty tick's queries (fairqueue.jobs.explain_queries checks their plans).
+            models.Index(fields=["submitted_at", "id"], condition=ADMISSION_PENDING, name="job_admission_pending"),
+            # Batch promotion reads by the time each job became due (WAITING_SINCE).
+            models.Index(WAITING_SINCE, condition=BATCH_DUE, name="job_batch_waiting"),
+            models.Index(fields=["submitted_at", "id"], condition=RECONCILED, name="job_reconciled"),
+            models.Index(fields=["finished_at", "id"], condition=PRUNABLE, name="job_prunable"),
+            # The API's list: a tenant's jobs, newest first.
+            models.Index(fields=["tenant", "submitted_at", "id"], name="job_tenant_submitted"),
         ]
 
     def __str__(self) -> str:

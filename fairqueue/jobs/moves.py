@@ -25,7 +25,7 @@ import logging
 
 from django.db.models import QuerySet
 
-from fairqueue.jobs import live
+from fairqueue.jobs import cells, live
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
@@ -135,11 +135,13 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
     are all taken off the old place first (so no release there wakes one of them while
     the others move), then admitted at the new place in submission order."""
     moved: list[Job] = []
+    seen: list[Job] = []  # every waiting job: its cells follow its tenant's new place
     waiting = jobs.select_related("tenant").filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])
     for job in waiting.order_by("submitted_at", "id").iterator(chunk_size=MIGRATE_CHUNK):
         tenant = policy.tenants.get(job.tenant.slug)
         if tenant is None:
             continue
+        seen.append(job)
         tag, names = job_placement(
             tenant=tenant,
             sub_tenant=job.sub_tenant,
@@ -159,6 +161,7 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
             continue  # holds its slots at the old place and finishes there
         result = engine().cancel(tag=job.engine_tag, job_id=job.engine_id)
         if not result.cancelled:
+            job.status = JobStatus.QUEUED  # for its cells
             continue  # woken meanwhile: it now holds its slots at the old place
         outcomes_handle(woken=result.woken, reclaimed=result.reclaimed)
         if Job.objects.filter(id=job.id, generation=job.generation, status=JobStatus.PARKED).update(
@@ -174,6 +177,8 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
             moved.append(job)
     for label in {_label("t", j.tenant.slug) for j in moved}:
         _publish_now(label)  # what the old place still holds, now that nothing waits there
+    # Before the moved jobs' admissions, which park some of them again.
+    cells.jobs_replace(seen, policy=policy)
     for start in range(0, len(moved), MIGRATE_CHUNK):
         jobs_admit(moved[start : start + MIGRATE_CHUNK], policy=policy)
     return len(moved)

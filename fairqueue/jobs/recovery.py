@@ -45,10 +45,10 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue.engine import TagHealth
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
+from fairqueue.jobs.models import ADMISSION_PENDING, RECONCILED, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
 
@@ -86,6 +86,9 @@ def state_ensure() -> list[str]:
             continue
         if tag_rebuild(tag=tag, shard=shard, foreign=state is TagHealth.FOREIGN):
             rebuilt.append(tag)
+    if rebuilt:
+        # Whatever lost the engine's state may have lost the cells' updates too.
+        cells.cells_rebuild()
     return rebuilt
 
 
@@ -225,11 +228,13 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
     cutoff = timezone.now() - timedelta(seconds=older_than)
     pending = list(
         Job.objects.select_related("tenant__shard")
-        .filter(status=JobStatus.QUEUED, admitted_at__isnull=True, submitted_at__lte=cutoff)
+        .filter(ADMISSION_PENDING, submitted_at__lte=cutoff)
         .order_by("submitted_at", "id")[:limit]
     )
     if pending:
-        jobs_admit(pending)
+        # Their entry into the cells may have been lost with the admission (a Redis error
+        # at submit); entering again is idempotent.
+        jobs_admit(pending, enter_cells=True)
     return len(pending)
 
 
@@ -244,6 +249,14 @@ def releases_pending(*, limit: int = RELEASES_PER_TICK) -> int:
     return done
 
 
+def reconcile_after(qs: QuerySet[Job], after_time: str, after_id: str) -> QuerySet[Job]:
+    """The rows after the cursor (submitted_at, id) in that order. A range the index walks
+    from the cursor on (`submitted_at >= t`), less the few rows of that instant already
+    seen: written as `> t OR (= t AND id > i)`, PostgreSQL read every candidate row (half a
+    second at 110,000 waiting)."""
+    return qs.filter(submitted_at__gte=after_time).exclude(submitted_at=after_time, id__lte=after_id)
+
+
 def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
     """Check the next `rows` unfinished rows against the engine (a cursor walks the table
     tick by tick); re-enter those missing from it on two ticks in a row. Returns how many
@@ -251,12 +264,10 @@ def reconcile(*, rows: int = RECONCILE_ROWS_PER_TICK) -> int:
     client = redis_client()
     cursor = str(client.get(RECONCILE_CURSOR_KEY) or "")
     after_time, after_id = cursor.split("|", 1) if cursor else ("", "")
-    candidates = Job.objects.select_related("tenant__shard").filter(
-        Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | Q(status=JobStatus.QUEUED, admitted_at__isnull=False)
-    )
+    candidates = Job.objects.select_related("tenant__shard").filter(RECONCILED)
     qs = candidates.order_by("submitted_at", "id")
     if after_time:
-        qs = qs.filter(Q(submitted_at__gt=after_time) | Q(submitted_at=after_time, id__gt=after_id))
+        qs = reconcile_after(qs, after_time, after_id)
     batch = list(qs[:rows])
     if len(batch) < rows:
         client.delete(RECONCILE_CURSOR_KEY)  # the end: start over next tick

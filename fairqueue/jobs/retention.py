@@ -18,7 +18,7 @@ from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs import payloads
-from fairqueue.jobs.models import TERMINAL_STATUSES, Job, LedgerEntry
+from fairqueue.jobs.models import PRUNABLE, Job, LedgerEntry
 
 DEFAULT_BATCH_SIZE = 1000
 # The fleet's duty leader calls it every RETENTION_EVERY_SECONDS (fairqueue.jobs.duties): each
@@ -44,7 +44,7 @@ def prunable_jobs(*, cutoff: datetime) -> QuerySet[Job]:
     A finished job whose release has not reached the engine yet stays: the reconciler
     needs its row to free the slots it held.
     """
-    return Job.objects.filter(status__in=TERMINAL_STATUSES, finished_at__lt=cutoff, release_pending=False)
+    return Job.objects.filter(PRUNABLE, finished_at__lt=cutoff)
 
 
 def jobs_prune_select(*, cutoff: datetime, limit: int) -> list[uuid.UUID]:

@@ -371,7 +371,7 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
         return
     jobs = due_now
     try:
-        jobs_admit(jobs, policy=policy, strict=True, fresh=True)
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=True)
     except redis.RedisError:
         log.warning("Redis unreachable: %d accepted job(s) wait for the pending sweep", len(jobs))
         _admission_pending(jobs)

@@ -1,5 +1,5 @@
 """``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
-``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``)."""
+``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``, ``fleet``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fairqueue.bench import backoff_bench, engine_bench, noisy, submit, throughput, whatif_bench
+from fairqueue.bench import backoff_bench, engine_bench, fleet_bench, noisy, submit, throughput, whatif_bench
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -18,7 +18,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         subparsers = parser.add_subparsers(
-            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff}"
+            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff,fleet}"
         )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
@@ -38,6 +38,9 @@ class Command(BaseCommand):
             subparsers.add_parser(
                 "throughput", help="submit path and no-op jobs/s against plain Celery, on the real stack"
             )
+        )
+        fleet_bench.add_arguments(
+            subparsers.add_parser("fleet", help="duties, snapshot, /metrics and admit cost by workers x tenants")
         )
         whatif = subparsers.add_parser("whatif", help="the what-if model's speed on a synthetic day of a busy shard")
         whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
@@ -68,10 +71,15 @@ class Command(BaseCommand):
             if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
                 raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
             result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
-        elif options["bench"] in ("noisy", "submit", "throughput", "backoff"):
-            module = {"noisy": noisy, "submit": submit, "throughput": throughput, "backoff": backoff_bench}[
-                options["bench"]
-            ]
+        elif options["bench"] in ("noisy", "submit", "throughput", "backoff", "fleet"):
+            modules = {
+                "noisy": noisy,
+                "submit": submit,
+                "throughput": throughput,
+                "backoff": backoff_bench,
+                "fleet": fleet_bench,
+            }
+            module = modules[options["bench"]]
             try:
                 result = module.run_command(options, log=self.stdout.write)
             except RuntimeError as exc:

@@ -1,0 +1,293 @@
+"""Cells: the waiting jobs of each (shard, class) and each (tenant, class), summarised in
+Redis as jobs move, so the dashboard and /metrics read every cell's count and oldest job
+in one round trip, whatever the backlog (lua/cells.lua keeps the summaries).
+
+Cell names (opaque to the script): "c|<shard>|<class>" every waiting job of a shard and
+class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked.
+The class of a job in the batch lane is BATCH_CLASS; the shard is the tenant's current
+one. Waiting means `queued` or `parked`: a `scheduled` or `retrying` job is in no cell
+until it is due and promoted (fairqueue.jobs.due), and it waits from its `due_at` (the
+SLO age of a delayed or retried job starts when it became due; `wait_score`).
+
+A job enters its cells when it starts to wait (accepted, promoted when due, re-delivered,
+requeued, retried by an operator), before it is admitted, so no later transition can
+overtake the entry; it enters its parked cell when the engine parks it and leaves that
+when it is woken; it leaves every cell when it starts, is cancelled or fails before it
+started. Its cells change with its class lane (a promoted batch job) or its tenant's
+place (fairqueue.jobs.moves). Every update is idempotent (sorted-set membership), and
+those that follow the entry ("reset", "park") do nothing to a job that left meanwhile, so
+a repeated or crossed update leaves the cells right; one lost to a Redis error is put
+right by `cells_audit` (the oldest jobs, each tick) or `cells_rebuild` (everything, when
+Redis lost its state).
+
+Cost: each of those transitions is one more Redis round trip (an EVALSHA of a small
+script, all the jobs of one call in it), beside the engine call it follows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.runtime import redis_client
+from tenants.policy import PolicySnapshot, policy_snapshot
+
+log = logging.getLogger("fairqueue.jobs.cells")
+
+BATCH_CLASS = "batch"  # pseudo-class of the batch lane
+PREFIX = "fq:{cells}:"
+SUMMARY_KEY = PREFIX + "summary"
+OF_KEY = PREFIX + "of"
+BUILT_KEY = PREFIX + "built"  # set once the cells were built from the database
+OPS_PER_CALL = 500
+AUDIT_OLDEST = 5  # members of each shard cell checked against the database per audit
+REBUILD_CHUNK = 5000
+
+_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
+_SHA = hashlib.sha1(_SOURCE.encode()).hexdigest()
+
+
+def shard_cell(shard: str, latency_class: str) -> str:
+    return f"c|{shard}|{latency_class}"
+
+
+def tenant_cell(slug: str, latency_class: str) -> str:
+    return f"t|{slug}|{latency_class}"
+
+
+def parked_cell(slug: str, latency_class: str) -> str:
+    return f"p|{slug}|{latency_class}"
+
+
+def job_class(job: Job) -> str:
+    return BATCH_CLASS if job.in_batch_lane else job.latency_class
+
+
+def wait_score(job: Job) -> str:
+    """When the job started to wait, as the SLO age counts it: its due time for a delayed
+    or retried job, else its submit time (as fairqueue.jobs.due and recovery order them)."""
+    return f"{(job.due_at or job.submitted_at).timestamp():.6f}"
+
+
+def _set_op(job: Job, policy: PolicySnapshot, *, parked: bool, op: str = "set") -> list[Any] | None:
+    tp = policy.tenants.get(job.tenant.slug)
+    if tp is None:
+        return None
+    cls = job_class(job)
+    cells = [shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
+    if parked:
+        cells.append(parked_cell(tp.slug, cls))
+    return [op, str(job.id), wait_score(job), len(cells), *cells]
+
+
+def _commands(ops: Sequence[list[Any]]) -> list[list[Any]]:
+    """The EVALSHA commands that apply `ops`, OPS_PER_CALL to a call."""
+    return [
+        ["EVALSHA", _SHA, 1, PREFIX, *(a for op in ops[i : i + OPS_PER_CALL] for a in op)]
+        for i in range(0, len(ops), OPS_PER_CALL)
+    ]
+
+
+def _apply(ops: Sequence[list[Any]]) -> None:
+    """Send the operations, OPS_PER_CALL to a script call, all in one pipelined round trip."""
+    if not ops:
+        return
+    client = redis_client()
+    commands = _commands(ops)
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    results = pipe.execute(raise_on_error=False)
+    if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+        client.script_load(_SOURCE)
+        pipe = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        results = pipe.execute(raise_on_error=False)
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Jobs entering their cells in the round trip of their admission
+    (fairqueue.jobs.dispatch: the engine's `admit_many_after`)."""
+
+    ops: list[list[Any]]
+    commands: list[list[Any]]
+
+
+def entry_prepare(jobs: Iterable[Job], *, policy: PolicySnapshot) -> Entry:
+    """The commands that place `jobs` (as `jobs_place`), to send before their admission."""
+    ops = [op for job in jobs if (op := _set_op(job, policy, parked=False)) is not None]
+    return Entry(ops=ops, commands=_commands(ops))
+
+
+def entry_done(entry: Entry, replies: Sequence[Any]) -> None:
+    """Check the replies of an entry sent with the admission; if one failed (the script not
+    loaded on this server yet, after a restart), place the jobs on their own now, before
+    the admitted ones are published (a parked one woken and started by another process in
+    between would be counted again until the audit finds it: a window once per restart)."""
+    if any(isinstance(r, Exception) for r in replies):
+        _safely("place", entry.ops)
+
+
+def _safely(what: str, ops: Sequence[list[Any]]) -> None:
+    # A cell update never fails the transition it follows: the audit or the rebuild puts
+    # the cells right.
+    try:
+        _apply(ops)
+    except redis.RedisError:
+        log.warning("could not update the cells (%s) of %d job(s)", what, len(ops), exc_info=True)
+
+
+def jobs_place(jobs: Iterable[Job], *, policy: PolicySnapshot | None = None, parked: bool = False) -> None:
+    """The jobs start to wait (parked or not) in the cells of their tenant, shard and class
+    now; call it before the admission, so nothing that follows can overtake it."""
+    policy = policy or policy_snapshot()
+    ops = [op for job in jobs if (op := _set_op(job, policy, parked=parked)) is not None]
+    _safely("place", ops)
+
+
+def jobs_replace(jobs: Iterable[Job], *, policy: PolicySnapshot | None = None) -> None:
+    """The jobs, if they still wait, wait in the cells of their tenant's place, lane and
+    status now (a move, a promotion out of the batch lane); those that left stay out."""
+    policy = policy or policy_snapshot()
+    ops = [
+        op
+        for job in jobs
+        if (op := _set_op(job, policy, parked=job.status == JobStatus.PARKED, op="reset")) is not None
+    ]
+    _safely("replace", ops)
+
+
+def jobs_park(jobs: Iterable[Job], *, policy: PolicySnapshot | None = None) -> None:
+    """The engine parked the jobs: they are counted parked too, unless they left already
+    (woken and started by another process in between)."""
+    policy = policy or policy_snapshot()
+    ops: list[list[Any]] = []
+    for job in jobs:
+        tp = policy.tenants.get(job.tenant.slug)
+        if tp is not None:
+            ops.append(["park", str(job.id), wait_score(job), parked_cell(tp.slug, job_class(job))])
+    _safely("park", ops)
+
+
+def jobs_unpark(job_ids: Iterable[str]) -> None:
+    """The jobs (row ids) are no longer parked; they still wait."""
+    _safely("unpark", [["unpark", str(i)] for i in job_ids])
+
+
+def jobs_leave(job_ids: Iterable[str]) -> None:
+    """The jobs (row ids) wait no more: started, cancelled, failed."""
+    _safely("leave", [["del", str(i)] for i in job_ids])
+
+
+@dataclass(frozen=True)
+class Cell:
+    waiting: int
+    oldest_ts: float | None
+
+
+@dataclass(frozen=True)
+class CellsView:
+    cells: dict[str, Cell] = field(default_factory=dict)
+    # Tenant -> class -> cell, of its waiting ("t") and parked ("p") cells that hold a job:
+    # a tenant with nothing waiting is absent (names are slugs: no "|").
+    tenants: dict[str, dict[str, dict[str, Cell]]] = field(default_factory=dict)
+
+    def get(self, name: str) -> Cell:
+        return self.cells.get(name, _EMPTY)
+
+    def of_tenants(self, kind: str) -> dict[str, dict[str, Cell]]:
+        """Tenant -> class -> cell for the cells of `kind` ("t" waiting, "p" parked)."""
+        return self.tenants.get(kind, {})
+
+
+_EMPTY = Cell(0, None)
+
+
+def cells_parse(raw: dict[str, str]) -> CellsView:
+    """The summary hash (HGETALL SUMMARY_KEY: cell -> "<count> <oldest score>") as cells,
+    in one pass (ten thousand tenants' cells each second)."""
+    out: dict[str, Cell] = {}
+    tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
+    for name, value in raw.items():
+        n, _, oldest = value.partition(" ")
+        cell = out[name] = Cell(int(n), float(oldest))
+        kind, _, rest = name.partition("|")
+        by_tenant = tenants.get(kind)
+        if by_tenant is not None:
+            slug, _, cls = rest.partition("|")
+            by_tenant.setdefault(slug, {})[cls] = cell
+    return CellsView(out, tenants)
+
+
+def cells_read() -> CellsView:
+    raw: dict[str, str] = redis_client().hgetall(SUMMARY_KEY)  # type: ignore[assignment]  # a text-mode client
+    return cells_parse(raw)
+
+
+def cells_rebuild() -> int:
+    """Build every cell from the database's waiting rows (after Redis lost them); returns
+    how many jobs were placed. O(waiting): for recovery, never a per-second path."""
+    client = redis_client()
+    stale = list(client.scan_iter(match=PREFIX + "*", count=1000))
+    if stale:
+        client.delete(*stale)
+    policy = policy_snapshot()
+    placed = 0
+    waiting = Job.objects.select_related("tenant").filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED])
+    ops: list[list[Any]] = []
+    for job in waiting.order_by("id").iterator(chunk_size=REBUILD_CHUNK):
+        op = _set_op(job, policy, parked=job.status == JobStatus.PARKED)
+        if op is not None:
+            ops.append(op)
+        if len(ops) >= REBUILD_CHUNK:
+            _apply(ops)
+            placed += len(ops)
+            ops = []
+    _apply(ops)
+    placed += len(ops)
+    client.set(BUILT_KEY, "1")
+    return placed
+
+
+def cells_ensure() -> int:
+    """Rebuild the cells if Redis has none built (a new or a flushed Redis): -1 if they
+    were there, else how many jobs were placed."""
+    if redis_client().exists(BUILT_KEY):
+        return -1
+    return cells_rebuild()
+
+
+def cells_audit(*, policy: PolicySnapshot | None = None) -> int:
+    """Check the oldest AUDIT_OLDEST jobs of every shard cell against the database and
+    take out those that wait no more (an update lost to an error): the oldest age shown
+    is then right within a tick. One pipelined read, one query; returns jobs removed."""
+    policy = policy or policy_snapshot()
+    classes = [*policy.classes, BATCH_CLASS]
+    names = [shard_cell(s, c) for s in policy.shards for c in classes]
+    pipe = redis_client().pipeline(transaction=False)
+    for name in names:
+        pipe.zrange(PREFIX + "z:" + name, 0, AUDIT_OLDEST - 1)
+    ids = {i for members in pipe.execute() for i in members}
+    if not ids:
+        return 0
+    still = {
+        str(i)
+        for i in Job.objects.filter(id__in=list(ids), status__in=[JobStatus.QUEUED, JobStatus.PARKED]).values_list(
+            "id", flat=True
+        )
+    }
+    gone = sorted(ids - still)
+    jobs_leave(gone)
+    return len(gone)

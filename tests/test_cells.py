@@ -1,0 +1,187 @@
+"""Cells: the waiting jobs per (shard, class) and (tenant, class), kept in Redis as jobs
+move (fairqueue.jobs.cells), against the database's truth."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from fairqueue.jobs import cells
+from fairqueue.jobs.cancellation import job_cancel
+from fairqueue.jobs.due import jobs_promote_due
+from fairqueue.jobs.execution import job_execute
+from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.submission import JobRequest, job_submit
+from tenants.models import Shard
+from tests.base import RedisTestCase
+from tests.factories import make_tenant
+
+
+def _from_database() -> dict[str, tuple[int, float]]:
+    """Every cell as the database says: (waiting, oldest time a job became due)."""
+    found: dict[str, list[float]] = {}
+    for job in Job.objects.select_related("tenant__shard").filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED]):
+        cls = cells.job_class(job)
+        names = [cells.shard_cell(job.tenant.shard.name, cls), cells.tenant_cell(job.tenant.slug, cls)]
+        if job.status == JobStatus.PARKED:
+            names.append(cells.parked_cell(job.tenant.slug, cls))
+        for name in names:
+            found.setdefault(name, []).append((job.due_at or job.submitted_at).timestamp())
+    return {name: (len(ts), min(ts)) for name, ts in found.items()}
+
+
+class CellsTests(RedisTestCase):
+    def setUp(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", max_concurrency=1)
+
+    def submit(self, n: int, latency_class: str = "default") -> list[Job]:
+        with self.captureOnCommitCallbacks(execute=True):
+            return [
+                job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", priority=latency_class)).job
+                for _ in range(n)
+            ]
+
+    def view(self) -> dict[str, tuple[int, float]]:
+        return {name: (c.waiting, c.oldest_ts or 0.0) for name, c in cells.cells_read().cells.items()}
+
+    def assert_matches_database(self) -> None:
+        got, want = self.view(), _from_database()
+        self.assertEqual(set(got), set(want))
+        for name, (n, oldest) in want.items():
+            self.assertEqual(got[name][0], n, name)
+            self.assertAlmostEqual(got[name][1], oldest, delta=0.001, msg=name)
+
+    def test_submit_park_start_cancel_keep_the_cells(self) -> None:
+        jobs = self.submit(3)
+        self.submit(1, latency_class="critical")
+        # max_concurrency 1: one admitted, the others parked behind it.
+        self.assertEqual(Job.objects.filter(status=JobStatus.PARKED).count(), 3)
+        self.assert_matches_database()
+        view = cells.cells_read()
+        self.assertEqual(view.get(cells.shard_cell("default", "default")).waiting, 3)
+        self.assertEqual(view.get(cells.parked_cell("acme", "default")).waiting, 2)
+        # The admitted one starts and runs: it waits no more.
+        job_execute(job_id=str(jobs[0].id), generation=jobs[0].generation, worker="w1")
+        self.assert_matches_database()
+        parked = Job.objects.filter(status=JobStatus.PARKED, latency_class="default").first()
+        assert parked is not None
+        job_cancel(job=parked)
+        self.assert_matches_database()
+        self.assertEqual(cells.cells_read().get(cells.shard_cell("default", "default")).waiting, 1)
+
+    def test_rebuild_from_the_database_after_redis_lost_the_cells(self) -> None:
+        self.submit(4)
+        before = self.view()
+        for key in self.redis.scan_iter(match="fq:{cells}:*"):
+            self.redis.delete(key)
+        self.assertEqual(cells.cells_read().cells, {})
+        self.assertGreaterEqual(cells.cells_ensure(), 4)
+        self.assertEqual(self.view(), before)
+        self.assertEqual(cells.cells_ensure(), -1)  # built: nothing to do
+
+    def test_audit_takes_out_a_job_whose_leaving_was_lost(self) -> None:
+        jobs = self.submit(2)
+        oldest = min(jobs, key=lambda j: j.submitted_at)
+        # The row says cancelled, but the cells never heard (a Redis error at that moment).
+        Job.objects.filter(id=oldest.id).update(status=JobStatus.CANCELLED, finished_at=timezone.now())
+        self.assertEqual(cells.cells_audit(), 1)
+        self.assert_matches_database()
+
+    def test_reading_costs_one_command_whatever_the_backlog(self) -> None:
+        self.submit(5)
+        old = timezone.now() - timedelta(hours=1)
+        Job.objects.update(submitted_at=old)
+        cells.cells_rebuild()
+        self.redis.config_resetstat()
+        view = cells.cells_read()
+        stats = self.redis.info("commandstats")
+        # A new connection's handshake (CLIENT, HELLO) and the counting itself aside.
+        plumbing = ("cmdstat_config", "cmdstat_info", "cmdstat_client", "cmdstat_hello")
+        self.assertEqual(sum(v["calls"] for k, v in stats.items() if not k.startswith(plumbing)), 1, stats)
+        self.assertAlmostEqual(
+            view.get(cells.shard_cell("default", "default")).oldest_ts or 0, old.timestamp(), delta=0.01
+        )
+
+
+class CellsOnMainTransitionsTests(RedisTestCase):
+    """Transitions beside submit/park/start/cancel: delayed and retried jobs (which wait
+    from when they became due), moves between shards, and marks that arrive late."""
+
+    def setUp(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", max_concurrency=1)
+
+    def submit(self, **fields: object) -> Job:
+        with self.captureOnCommitCallbacks(execute=True):
+            return job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", **fields)).job  # type: ignore[arg-type]
+
+    def view(self) -> dict[str, tuple[int, float]]:
+        return {name: (c.waiting, c.oldest_ts or 0.0) for name, c in cells.cells_read().cells.items()}
+
+    def assert_matches_database(self) -> None:
+        got, want = self.view(), _from_database()
+        self.assertEqual(set(got), set(want))
+        for name, (n, oldest) in want.items():
+            self.assertEqual(got[name][0], n, name)
+            self.assertAlmostEqual(got[name][1], oldest, delta=0.001, msg=name)
+
+    def test_a_delayed_job_waits_in_no_cell_until_due_then_from_its_due_time(self) -> None:
+        self.submit()  # holds the tenant's one slot, so the next ones park
+        delayed = self.submit(delay_seconds=3600)
+        self.assertEqual(delayed.status, JobStatus.SCHEDULED)
+        self.assert_matches_database()  # the scheduled job is in no cell
+        self.assertEqual(cells.cells_read().get(cells.tenant_cell("acme", "default")).waiting, 1)  # the first
+        due_at = timezone.now() - timedelta(seconds=30)
+        Job.objects.filter(id=delayed.id).update(due_at=due_at)
+        self.assertEqual(jobs_promote_due(), 1)
+        self.assertEqual(Job.objects.get(id=delayed.id).status, JobStatus.PARKED)
+        self.assert_matches_database()
+        cell = cells.cells_read().get(cells.shard_cell("default", "default"))
+        # Its wait started at its due time, before the first job's submit (the oldest now),
+        # not at its own submit (after that one's).
+        self.assertEqual(cell.waiting, 2)
+        self.assertAlmostEqual(cell.oldest_ts or 0, due_at.timestamp(), delta=0.001)
+        self.assertEqual(cells.cells_read().get(cells.parked_cell("acme", "default")).waiting, 1)
+
+    def test_a_retrying_job_reenters_its_cells_when_its_backoff_is_over(self) -> None:
+        job = self.submit()
+        job_execute(job_id=str(job.id), generation=job.generation, worker="w1")
+        # A failed attempt the policy retries leaves the row `retrying` until due_at
+        # (fairqueue.jobs.retries.failure_fields): written here as that path writes it.
+        due_at = timezone.now() - timedelta(seconds=5)
+        Job.objects.filter(id=job.id).update(status=JobStatus.RETRYING, due_at=due_at, finished_at=None)
+        self.assert_matches_database()
+        self.assertEqual(jobs_promote_due(), 1)
+        self.assert_matches_database()
+        cell = cells.cells_read().get(cells.tenant_cell("acme", "default"))
+        self.assertEqual(cell.waiting, 1)
+        self.assertAlmostEqual(cell.oldest_ts or 0, due_at.timestamp(), delta=0.001)
+
+    def test_a_moved_tenants_waiting_jobs_follow_it_to_its_new_shard(self) -> None:
+        self.submit()
+        self.submit()
+        self.submit()
+        self.assertEqual(cells.cells_read().get(cells.shard_cell("default", "default")).waiting, 3)
+        with self.captureOnCommitCallbacks(execute=True):
+            other = Shard.objects.create(name="other", capacity=100)
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant.shard = other
+            self.tenant.save()
+        self.assert_matches_database()
+        view = cells.cells_read()
+        self.assertEqual(view.get(cells.shard_cell("default", "default")).waiting, 0)
+        self.assertEqual(view.get(cells.shard_cell("other", "default")).waiting, 3)
+
+    def test_a_late_parked_mark_does_not_bring_back_a_job_that_left(self) -> None:
+        self.submit()
+        parked = self.submit()
+        self.assertEqual(parked.status, JobStatus.PARKED)
+        # Woken and started by another process before this one's mark arrived.
+        cells.jobs_leave([str(parked.id)])
+        cells.jobs_park([parked])
+        cells.jobs_replace([parked])
+        view = cells.cells_read()
+        self.assertEqual(view.get(cells.parked_cell("acme", "default")).waiting, 0)
+        self.assertEqual(view.get(cells.tenant_cell("acme", "default")).waiting, 1)  # the first one
