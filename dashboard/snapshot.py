@@ -94,7 +94,7 @@ class _Roster:
     policy: PolicySnapshot
     tenants: list[TenantPolicy]
     keys: list[str]  # tenant_key of each tenant, in the same order
-    limit_keys: list[tuple[Any, ...]]
+    limit_keys: list[int]  # the tenant's policy numbers, as an id shared by tenants alike
     count_names: dict[str, list[str]]  # shard -> the fields of its engine state to read
 
 
@@ -111,7 +111,14 @@ def _roster_for(policy: PolicySnapshot) -> _Roster:
         for t, key in zip(tenants, keys, strict=True):
             if t.shard in count_names:
                 count_names[t.shard].append(key)
-        limit_keys = [(t.shard, t.floor, t.burst_floor, t.burst_pct, t.max_concurrency, t.dedicated) for t in tenants]
+        # Tenants with equal policy numbers share one small int (hashed per tenant per call).
+        numbers: dict[tuple[Any, ...], int] = {}
+        limit_keys = [
+            numbers.setdefault(
+                (t.shard, t.floor, t.burst_floor, t.burst_pct, t.max_concurrency, t.dedicated), len(numbers)
+            )
+            for t in tenants
+        ]
         roster = _roster = _Roster(policy, tenants, keys, limit_keys, count_names)
     return roster
 
