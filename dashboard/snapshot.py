@@ -44,9 +44,11 @@ nothing waits), orange from the objective on, red from twice the objective on.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from dashboard.gc_pause import gc_paused
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, shard_tag, tenant_key, tenant_limit_for
@@ -54,8 +56,7 @@ from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
-from tenants.limits import LimitBreakdown
-from tenants.policy import PolicySnapshot, policy_snapshot
+from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
 
 BATCH_CLASS = cells.BATCH_CLASS  # pseudo-class of the batch lane in the grid
 HISTORY_LEN = 120  # ticks kept per cell (about two minutes at one tick per second)
@@ -84,24 +85,64 @@ def _class_objectives(policy: PolicySnapshot) -> dict[str, int]:
     return columns
 
 
+@dataclass(frozen=True)
+class _Roster:
+    """What the tenant rows need from one policy snapshot, built once per snapshot (a
+    policy change makes a new one): ten thousand tenants sorted, their engine keys and the
+    policy half of their limit's memo key."""
+
+    policy: PolicySnapshot
+    tenants: list[TenantPolicy]
+    keys: list[str]  # tenant_key of each tenant, in the same order
+    limit_keys: list[int]  # the tenant's policy numbers, as an id shared by tenants alike
+    count_names: dict[str, list[str]]  # shard -> the fields of its engine state to read
+
+
+_roster: _Roster | None = None
+
+
+def _roster_for(policy: PolicySnapshot) -> _Roster:
+    global _roster
+    roster = _roster
+    if roster is None or roster.policy is not policy:
+        tenants = sorted(policy.tenants.values(), key=lambda t: t.slug)
+        keys = [tenant_key(t.slug) for t in tenants]
+        count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY] for shard in policy.shards}
+        for t, key in zip(tenants, keys, strict=True):
+            if t.shard in count_names:
+                count_names[t.shard].append(key)
+        # Tenants with equal policy numbers share one small int (hashed per tenant per call).
+        numbers: dict[tuple[Any, ...], int] = {}
+        limit_keys = [
+            numbers.setdefault(
+                (t.shard, t.floor, t.burst_floor, t.burst_pct, t.max_concurrency, t.dedicated), len(numbers)
+            )
+            for t in tenants
+        ]
+        roster = _roster = _Roster(policy, tenants, keys, limit_keys, count_names)
+    return roster
+
+
 def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[str, Any]:
     """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history."""
+    with gc_paused():
+        return _snapshot_build(record=record, with_history=with_history)
+
+
+def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
     policy = policy_snapshot()
     now = time.time()
     objectives = _class_objectives(policy)
     shards = sorted(policy.shards)
-    tenants = sorted(policy.tenants.values(), key=lambda t: t.slug)
-    signals = live.signals_read_many([t.slug for t in tenants], now=now)
+    roster = _roster_for(policy)
+    signals = live.signals_read_many([t.slug for t in roster.tenants], now=now)
 
     # --- Redis: fleet, then everything else in one pipeline --------------------------------
     fleet = fleet_read()
     client = redis_client()
     prefix = engine().prefix
     pipe = client.pipeline(transaction=False)
-    count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY] for shard in shards}
-    for t in tenants:
-        if t.shard in count_names:
-            count_names[t.shard].append(tenant_key(t.slug))
+    count_names = roster.count_names
     for shard in shards:
         names = count_names[shard]
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
@@ -118,9 +159,10 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         in_flight += max(0, counts[SHARD_KEY] - counts[BATCH_KEY])
         holders.update({k: v for k, v in counts.items() if k not in (SHARD_KEY, BATCH_KEY)})
     view = cells.cells_parse(next(results) or {})
-    shares = {slug: int(v) for slug, v in (next(results) or {}).items()}
-    fair = {slug: float(v) for slug, v in (next(results) or {}).items()}
-    ticked = {slug: live.tick_limit_parse(v) for slug, v in (next(results) or {}).items()}
+    # Kept as read: parsed only for the tenants whose limit is computed (see the memo below).
+    shares_raw: dict[str, str] = next(results) or {}
+    fair_raw: dict[str, str] = next(results) or {}
+    ticked_raw: dict[str, str] = next(results) or {}
 
     def age(ts: float | None) -> float | None:
         return None if ts is None else round(max(0.0, now - ts), 3)
@@ -155,20 +197,24 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
         "batch_share": round(busy_batch / slots, 4) if slots else 0.0,
         "target": round(slots * policy.pool.target_utilisation, 3),
     }
-    tenant_rows = []
+    tenant_rows: list[dict[str, Any]] = []
+    append = tenant_rows.append
     waiting_of, parked_of = view.of_tenants("t"), view.of_tenants("p")
     # Tenants alike in policy numbers and signals share one computation (ten thousand
-    # tenants, most of them idle).
-    memo: dict[tuple[Any, ...], LimitBreakdown] = {}
-    for t in tenants:
-        base = signals[t.slug]
-        memo_key = (
-            t.shard, t.floor, t.burst_floor, t.burst_pct, t.max_concurrency, t.dedicated,
-            base.rate_per_min, base.mean_seconds, shares.get(t.slug, 0), fair.get(t.slug), ticked.get(t.slug),
-        )  # fmt: skip
-        breakdown = memo.get(memo_key)
-        if breakdown is None:
-            breakdown = memo[memo_key] = tenant_limit_for(
+    # tenants, most of them alike): the memo is keyed by the policy half of the tenant
+    # (precomputed per policy) and the published figures as read, unparsed.
+    memo: dict[tuple[Any, ...], tuple[int, int, float, float]] = {}
+    shares_get, fair_get, ticked_get, holders_get = shares_raw.get, fair_raw.get, ticked_raw.get, holders.get
+    waiting_get, parked_get = waiting_of.get, parked_of.get
+    for t, key, limit_key in zip(roster.tenants, roster.keys, roster.limit_keys, strict=True):
+        slug = t.slug
+        base = signals[slug]
+        share, fair_share, tick = shares_get(slug), fair_get(slug), ticked_get(slug)
+        memo_key = (limit_key, base.rate_per_min, base.mean_seconds, share, fair_share, tick)
+        figures = memo.get(memo_key)
+        if figures is None:
+            tick_limit, tick_held = live.tick_limit_parse(tick)
+            breakdown = tenant_limit_for(
                 policy,
                 t,
                 LiveSignals(
@@ -176,34 +222,48 @@ def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[s
                     mean_seconds=base.mean_seconds,
                     pool_slots=slots,
                     in_flight=in_flight,
-                    idle_share=shares.get(t.slug, 0),
-                    fair_share=fair.get(t.slug),
-                    tick_limit=ticked.get(t.slug, (None, 0))[0],
-                    tick_held_elsewhere=ticked.get(t.slug, (None, 0))[1],
+                    idle_share=int(share) if share is not None else 0,
+                    fair_share=float(fair_share) if fair_share is not None else None,
+                    tick_limit=tick_limit,
+                    tick_held_elsewhere=tick_held,
                 ),
             )
-        parked_by_class = {cls: c.waiting for cls, c in parked_of.get(t.slug, {}).items()}
+            figures = memo[memo_key] = (
+                breakdown.floor,
+                breakdown.limit,
+                round(breakdown.rate_per_min, 3),
+                round(breakdown.mean_seconds, 4),
+            )
+        parked_cells = parked_get(slug)
+        parked_by_class = {cls: c.waiting for cls, c in parked_cells.items()} if parked_cells else {}
         waiting = 0
         tenant_oldest: float | None = None
-        for cls, summary in waiting_of.get(t.slug, {}).items():
-            waiting += summary.waiting
-            if cls != BATCH_CLASS and summary.oldest_ts is not None:
-                tenant_oldest = summary.oldest_ts if tenant_oldest is None else min(tenant_oldest, summary.oldest_ts)
-        tenant_rows.append(
+        waiting_cells = waiting_get(slug)
+        if waiting_cells:
+            for cls, summary in waiting_cells.items():
+                waiting += summary.waiting
+                oldest_ts = summary.oldest_ts
+                if (
+                    cls != BATCH_CLASS
+                    and oldest_ts is not None
+                    and (tenant_oldest is None or oldest_ts < tenant_oldest)
+                ):
+                    tenant_oldest = oldest_ts
+        append(
             {
-                "slug": t.slug,
+                "slug": slug,
                 "name": t.name,
                 "active": t.active,
                 "shard": t.shard,
-                "floor": breakdown.floor,
-                "limit": breakdown.limit,
-                "in_flight": holders.get(tenant_key(t.slug), 0),
+                "floor": figures[0],
+                "limit": figures[1],
+                "in_flight": holders_get(key, 0),
                 "parked_by_class": parked_by_class,
                 "parked": sum(parked_by_class.values()),
                 "waiting": waiting,
-                "oldest_wait_s": age(tenant_oldest),
-                "rate_per_min": round(breakdown.rate_per_min, 3),
-                "mean_job_s": round(breakdown.mean_seconds, 4),
+                "oldest_wait_s": None if tenant_oldest is None else round(max(0.0, now - tenant_oldest), 3),
+                "rate_per_min": figures[2],
+                "mean_job_s": figures[3],
             }
         )
     grid = []

@@ -8,9 +8,9 @@ from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from dashboard.metrics import scrape_registry
+from dashboard.metrics import metrics_render, scrape_registry
 from dashboard.snapshot import HISTORY_LEN
 
 
@@ -31,4 +31,4 @@ def metrics(request: HttpRequest) -> HttpResponse:
             response["WWW-Authenticate"] = 'Bearer realm="metrics"'
             return response
     registry = scrape_registry(settings.PROMETHEUS_MULTIPROC_DIR)
-    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(metrics_render(registry), content_type=CONTENT_TYPE_LATEST)

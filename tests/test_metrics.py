@@ -6,10 +6,12 @@ import shutil
 import subprocess
 
 from django.conf import settings
-from django.test import Client, override_settings
+from django.test import Client, SimpleTestCase, override_settings
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard.metrics import collector_register
+from dashboard.metrics import TenantGaugeFamily, collector_register, metrics_render, tenant_family_text
 from fairqueue.jobs import stats
 from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.policy import policy_invalidate
@@ -122,3 +124,34 @@ class MetricsTests(RedisTestCase):
         result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
         self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
         self.assertEqual((result.stdout + result.stderr).strip(), "")
+
+
+class _Families:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+class TenantFamilyTextTests(SimpleTestCase):
+    """metrics_render writes the per-tenant families itself: byte for byte what
+    prometheus_client would have written, awkward label values and values included."""
+
+    def family(self) -> TenantGaugeFamily:
+        family = TenantGaugeFamily("fairqueue_tenant_limit", "A tenant's limit.\nSecond \\ line.", labels=["tenant"])
+        for slug, value in [("acme", 1), ("b-2_x", 0), ('q"uo\\te\nnl', 2.5), ("big", 12345678), ("again", 1)]:
+            family.add_metric([slug], value)
+        return family
+
+    def test_same_text_as_prometheus_client(self) -> None:
+        expected = generate_latest(_Families([self.family()]))  # type: ignore[arg-type]
+        self.assertEqual(tenant_family_text(self.family()).encode(), expected)
+
+    def test_render_keeps_every_family(self) -> None:
+        registry = CollectorRegistry()
+        registry.register(_Families([self.family()]))  # type: ignore[arg-type]
+        from_collector = samples(metrics_render(registry).decode())
+        self.assertEqual(from_collector[("fairqueue_tenant_limit", (("tenant", "big"),))], 12345678)
+        self.assertEqual(from_collector[("fairqueue_tenant_limit", (("tenant", 'q"uo\\te\nnl'),))], 2.5)
+        self.assertEqual(len(from_collector), 5)

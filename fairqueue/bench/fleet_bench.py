@@ -39,9 +39,9 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
-from dashboard.metrics import FairQueueCollector
+from dashboard.metrics import FairQueueCollector, metrics_render
 from dashboard.snapshot import snapshot_build
 from fairqueue.bench import stack
 from fairqueue.engine import AdmitRequest
@@ -266,7 +266,7 @@ def _median_ms(action: Callable[[], object]) -> float:
 def _scrape() -> bytes:
     registry = CollectorRegistry()
     registry.register(FairQueueCollector(cache_seconds=0))
-    return generate_latest(registry)
+    return metrics_render(registry)
 
 
 def _admit_us(samples: int) -> float:

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -191,8 +191,9 @@ def jobs_leave(job_ids: Iterable[str]) -> None:
     _safely("leave", [["del", str(i)] for i in job_ids])
 
 
-@dataclass(frozen=True)
-class Cell:
+class Cell(NamedTuple):
+    # A tuple, not a dataclass: cells_parse makes one per cell, twenty thousand a second
+    # at ten thousand tenants, and a frozen dataclass's constructor costs three times more.
     waiting: int
     oldest_ts: float | None
 
@@ -221,13 +222,16 @@ def cells_parse(raw: dict[str, str]) -> CellsView:
     out: dict[str, Cell] = {}
     tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
     for name, value in raw.items():
-        n, _, oldest = value.partition(" ")
+        n, oldest = value.split(" ", 1)
         cell = out[name] = Cell(int(n), float(oldest))
-        kind, _, rest = name.partition("|")
+        kind, owner, cls = name.split("|", 2)
         by_tenant = tenants.get(kind)
         if by_tenant is not None:
-            slug, _, cls = rest.partition("|")
-            by_tenant.setdefault(slug, {})[cls] = cell
+            of_tenant = by_tenant.get(owner)
+            if of_tenant is None:
+                by_tenant[owner] = {cls: cell}
+            else:
+                of_tenant[cls] = cell
     return CellsView(out, tenants)
 
 
