@@ -31,17 +31,8 @@ def _from_database() -> dict[str, tuple[int, float]]:
     return {name: (len(ts), min(ts)) for name, ts in found.items()}
 
 
-class CellsTests(RedisTestCase):
-    def setUp(self) -> None:
-        with self.captureOnCommitCallbacks(execute=True):
-            self.tenant, _ = make_tenant("acme", max_concurrency=1)
-
-    def submit(self, n: int, latency_class: str = "default") -> list[Job]:
-        with self.captureOnCommitCallbacks(execute=True):
-            return [
-                job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", priority=latency_class)).job
-                for _ in range(n)
-            ]
+class CellsTestCase(RedisTestCase):
+    """The cells as read from Redis, and the check that they agree with the job rows."""
 
     def view(self) -> dict[str, tuple[int, float]]:
         return {name: (c.waiting, c.oldest_ts or 0.0) for name, c in cells.cells_read().cells.items()}
@@ -52,6 +43,19 @@ class CellsTests(RedisTestCase):
         for name, (n, oldest) in want.items():
             self.assertEqual(got[name][0], n, name)
             self.assertAlmostEqual(got[name][1], oldest, delta=0.001, msg=name)
+
+
+class CellsTests(CellsTestCase):
+    def setUp(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", max_concurrency=1)
+
+    def submit(self, n: int, latency_class: str = "default") -> list[Job]:
+        with self.captureOnCommitCallbacks(execute=True):
+            return [
+                job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", priority=latency_class)).job
+                for _ in range(n)
+            ]
 
     def test_submit_park_start_cancel_keep_the_cells(self) -> None:
         jobs = self.submit(3)
@@ -105,7 +109,7 @@ class CellsTests(RedisTestCase):
         )
 
 
-class CellsOnMainTransitionsTests(RedisTestCase):
+class CellsOnMainTransitionsTests(CellsTestCase):
     """Transitions beside submit/park/start/cancel: delayed and retried jobs (which wait
     from when they became due), moves between shards, and marks that arrive late."""
 
@@ -116,16 +120,6 @@ class CellsOnMainTransitionsTests(RedisTestCase):
     def submit(self, **fields: object) -> Job:
         with self.captureOnCommitCallbacks(execute=True):
             return job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", **fields)).job  # type: ignore[arg-type]
-
-    def view(self) -> dict[str, tuple[int, float]]:
-        return {name: (c.waiting, c.oldest_ts or 0.0) for name, c in cells.cells_read().cells.items()}
-
-    def assert_matches_database(self) -> None:
-        got, want = self.view(), _from_database()
-        self.assertEqual(set(got), set(want))
-        for name, (n, oldest) in want.items():
-            self.assertEqual(got[name][0], n, name)
-            self.assertAlmostEqual(got[name][1], oldest, delta=0.001, msg=name)
 
     def test_a_delayed_job_waits_in_no_cell_until_due_then_from_its_due_time(self) -> None:
         self.submit()  # holds the tenant's one slot, so the next ones park
