@@ -47,11 +47,13 @@ typecheck: venv
 
 # The suite runs as TEST_SHARDS `manage.py test` processes side by side, each with its own
 # Redis server, test database and logs (scripts/test_shards.py); TEST_SHARDS=1 runs it as
-# one. `python manage.py test` runs it in one process too.
+# one. `python manage.py test` runs it in one process too. Tests tagged "serial" (accuracy
+# figures of a real workload) run after the shards, alone on the machine.
 TESTS ?= tests
 TEST_SHARDS ?= 3
 test: venv redis rabbitmq lint typecheck
-	$(PY) scripts/test_shards.py --shards $(TEST_SHARDS) $(TESTS) -- --noinput --exclude-tag distributed
+	$(PY) scripts/test_shards.py --shards $(TEST_SHARDS) $(TESTS) -- --noinput --exclude-tag distributed --exclude-tag serial
+	$(PY) manage.py test --noinput --tag serial --exclude-tag distributed $(TESTS)
 
 # The tests that start a Redis Cluster of their own (3 primaries + 3 replicas on free local
 # ports; FAIRQUEUE_TEST_CLUSTER_PORTS / FAIRQUEUE_CHAOS_CLUSTER_PORTS fix them), with the

@@ -10,6 +10,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import connections
+from django.test import tag
 from django.urls import reverse
 
 from fairqueue.bench.noisy import NOISY_SLUG, PRESETS, Planned, _policy_setup, workload_plan
@@ -89,6 +90,9 @@ class EtaFields(RedisTestCase):
         self.assertContains(page, "starts in about 2.0 s")
 
 
+# An accuracy figure of a real workload, like a benchmark's: `make test` runs the tests
+# tagged "serial" on their own after the shards, so the others' load does not skew it.
+@tag("serial")
 class EtaAccuracy(RedisTransactionTestCase):
     """bench noisy's quick workload (four steady tenants, a burst of 320 jobs in four bulk
     submits) on 4 real workers x 4 slots, as the bench runs it; every noisy job's ETA is
