@@ -21,9 +21,12 @@ negative and they give slots back by not refilling them. Never below the formula
 Where a shard's capacity binds rather than the pool, the same two rules apply one level
 down (`shard_caps`): a tenant that wants more than its max-min fair share of the shard is
 capped at that share plus an equal part of the shard's free room, so it fills what its
-shard-mates leave idle (work-conserving) but gives back, within a tick, the slots a
-shard-mate is waiting for instead of keeping its own jobs queued at the shard in front of
-theirs.
+shard-mates leave idle but gives back, within a tick, the slots a shard-mate is waiting
+for instead of keeping its own jobs queued at the shard in front of theirs. The free room
+it may fill excludes what its shard-mates held of late (up to their shares), so a steady
+shard-mate's next job finds a slot free rather than waiting for one of the burst's jobs to
+end: the shard then runs a little below its capacity while a burst and steady tenants
+share it, the price of leaving the steady ones alone.
 """
 
 from __future__ import annotations
@@ -157,26 +160,50 @@ def shard_caps(
     wanting: set[str],
     weight: dict[str, float],
     floor: dict[str, int],
+    recent: dict[str, float] | None = None,
 ) -> dict[str, int]:
     """Caps for the tenants of one shard whose capacity binds.
 
     `held` maps each tenant of the shard to the slots of its own key (its running jobs and
     those queued at the shard key), `wanting` names those that want more than they hold
-    (at their limit); `holders`/`waiting` are the shard key's holders and waiters. Each
-    tenant's fair share of the shard is water-filled over demands (what it holds, or
-    without bound if it wants more), weighted like the shard's fair order; a wanting
-    tenant is capped at max(its share rounded up, its floor, what it holds + an equal part
-    of the room the shard has: capacity - holders - waiting, negative while jobs queue at
-    the shard). A tenant that wants no more is not capped. With room at the shard the cap
-    is what it holds plus that room: it may take every free slot, but queues no more of its
-    jobs at the shard key than the shard can start.
+    (at their limit); `holders`/`waiting` are the shard key's holders and waiters;
+    `recent` is what each tenant held of late (a mean over the last seconds of ticks).
+    Each tenant's fair share of the shard is water-filled over demands (what it holds or
+    held of late, whichever is more, or without bound if it wants more), weighted like the
+    shard's fair order. A tenant that wants no more keeps room for min(what it held of
+    late, its share): that much of the shard stays free for it
+    between its jobs, so a steady tenant's next job finds a free slot instead of waiting
+    behind a burst for one (the pool's pressure spares it the same way: `tenant_limit`).
+    A wanting tenant is capped at max(its share, its floor, what it holds + an equal part
+    of the room the shard has: capacity - holders - waiting - the room kept, negative
+    while jobs queue at the shard). With room to spare the cap is what it holds plus that
+    room: it may take every free slot not kept, but queues no more of its jobs at the shard
+    key than the shard can start. The wanting tenants' shares are whole slots that add up
+    to the whole part of theirs (largest remainders), so a fraction of a kept slot is not
+    handed to them by rounding up.
     """
     if not wanting:
         return {}
+    recent = recent or {}
     unbounded = float(capacity)  # a wanting tenant's demand: more than the whole shard can give
-    demand = {slug: (unbounded if slug in wanting else float(n)) for slug, n in held.items()}
+    demand = {
+        slug: (unbounded if slug in wanting else max(float(n), recent.get(slug, 0.0))) for slug, n in held.items()
+    }
     share = fair_shares(pool_target=capacity, demand=demand, weight=weight)
     capped = [slug for slug in sorted(wanting) if slug in held]
-    room = capacity - holders - waiting
+    kept = sum(max(0.0, min(recent.get(slug, 0.0), share[slug]) - held[slug]) for slug in held if slug not in wanting)
+    room = capacity - holders - waiting - math.floor(kept + 0.5)
     part = math.ceil(room / len(capped)) if room > 0 else math.floor(room / len(capped))
-    return {slug: max(math.ceil(share[slug] - 1e-9), floor.get(slug, 0), held[slug] + part) for slug in capped}
+    whole = _whole_shares({slug: share[slug] for slug in capped})
+    return {slug: max(whole[slug], floor.get(slug, 0), held[slug] + part) for slug in capped}
+
+
+def _whole_shares(shares: dict[str, float]) -> dict[str, int]:
+    """Round shares to whole slots that sum to the floor of their total: each gets the
+    whole part of its own, and the slots left go to the largest remainders (ties by name)."""
+    whole = {slug: math.floor(share + 1e-9) for slug, share in shares.items()}
+    left = math.floor(sum(shares.values()) + 1e-9) - sum(whole.values())
+    by_remainder = sorted(shares, key=lambda slug: (-(shares[slug] - whole[slug]), slug))
+    for slug in by_remainder[: max(left, 0)]:
+        whole[slug] += 1
+    return whole

@@ -121,10 +121,19 @@ class PressureTests(E2EBase):
             {tenant_key("flood")},
             "no flood job queued at the shard in front of a shard-mate",
         )
-        for job in Job.objects.filter(id__in=[j.id for j in mates]):  # the mate is done: its room goes back
+        for job in Job.objects.filter(id__in=[j.id for j in mates]):  # the mate is done
             job_release(tag=tag, engine_id=job.engine_id, keys=job.engine_key_names)
         limits_refresh()
-        self.assertEqual(engine().counts(tag=tag, keys=[tenant_key("flood")])[tenant_key("flood")], 4)
+        # The shard keeps room for what the mate held of late for a few seconds (its next
+        # job would find a slot free), then gives it back to the tenant that wants it.
+        flood_held = engine().counts(tag=tag, keys=[tenant_key("flood")])[tenant_key("flood")]
+        self.assertLess(flood_held, 4, "room kept for the mate right after its jobs ended")
+
+        def flood_has_the_shard() -> bool:
+            limits_refresh()
+            return engine().counts(tag=tag, keys=[tenant_key("flood")])[tenant_key("flood")] == 4
+
+        wait_for(flood_has_the_shard, timeout=60, interval=0.5, message="the mate's room going back to flood")
 
     def test_a_burst_keeps_the_limit_the_tick_set_while_the_admitting_process_sees_the_pool_fill(self) -> None:
         hog, _ = make_tenant("hog", floor=2)  # ceiling 4

@@ -3,8 +3,12 @@ killed another takes them over within one lease; and the duties still do their w
 
 from __future__ import annotations
 
+import math
 import time
 
+from django.test import SimpleTestCase
+
+from fairqueue.jobs.duties import RECENT_USE_SECONDS, RecentUse
 from fairqueue.jobs.fleet import (
     BUSY_BATCH_KEY,
     BUSY_KEY,
@@ -103,3 +107,33 @@ class RegistryTests(RedisTestCase):
             self.assertEqual(self.redis.hkeys(key), [alive.encode()], key)
         self.assertEqual(self.redis.zrange(SEEN_KEY, 0, -1), [alive.encode()])
         self.assertEqual(fleet_read(), {"workers": 1, "slots": 2, "busy": 1, "busy_batch": 0})
+
+
+class RecentUseTests(SimpleTestCase):
+    """What a tenant held of late, the room a binding shard keeps free for it (duties.RecentUse)."""
+
+    def test_follows_what_a_tenant_holds_and_forgets_a_quiet_one(self) -> None:
+        use = RecentUse()
+        self.assertEqual(use.observe({"steady": 2, "idle": 0}, now=100.0), {"steady": 2.0}, "starts from what it holds")
+        after_one = use.observe({"steady": 0, "idle": 0}, now=100.0 + RECENT_USE_SECONDS)
+        self.assertAlmostEqual(after_one["steady"], 2.0 * math.exp(-1.0))
+        # Gaps between a steady tenant's jobs do not erase it: holding 1 every other tick
+        # keeps it near its mean.
+        now = 100.0 + RECENT_USE_SECONDS
+        for tick in range(60):
+            now += 0.5
+            use.observe({"steady": tick % 2, "idle": 0}, now=now)
+        self.assertAlmostEqual(use.held["steady"], 0.5, delta=0.1)
+        for _ in range(200):
+            now += 0.5
+            use.observe({"steady": 0, "idle": 0}, now=now)
+        self.assertEqual(use.held, {}, "a tenant quiet for long is forgotten")
+
+    def test_its_version_moves_only_when_a_mean_does(self) -> None:
+        use = RecentUse()
+        use.observe({"a": 1, "b": 0}, now=0.0)
+        settled = use.version
+        use.observe({"a": 1, "b": 0}, now=0.5)
+        self.assertEqual(use.version, settled, "nothing moved: a tick may reuse its plan")
+        use.observe({"a": 3, "b": 0}, now=1.0)
+        self.assertGreater(use.version, settled)

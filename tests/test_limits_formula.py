@@ -183,6 +183,28 @@ class ShardCapTests(SimpleTestCase):
         roomy = self.caps(capacity=20, holders=10, waiting=0, held={"flood": 8, "mate": 2})
         self.assertEqual(roomy, {"flood": 18}, "every free slot, but no more jobs queued at the shard")
 
+    def test_room_is_kept_for_what_a_steady_shard_mate_recently_used(self) -> None:
+        # mate runs 1 job now but has held 2.5 slots on average of late: flood,
+        # holding 7 of the full shard, is capped at 5 so that 2 slots stay free for mate's
+        # next jobs instead of mate waiting behind flood's for a release.
+        steady = self.caps(holders=8, waiting=0, held={"flood": 7, "mate": 1}, recent={"mate": 2.5})
+        self.assertEqual(steady, {"flood": 5})
+        self.assertEqual(self.caps(holders=8, waiting=0, held={"flood": 7, "mate": 1}), {"flood": 7}, "no demand kept")
+        # What is kept never exceeds the mate's fair share of the shard: three mates that
+        # each used 4 slots keep 2 each (8 / 4 tenants), flood keeps its share of 2.
+        held = {"flood": 5, "a": 1, "b": 1, "c": 1}
+        greedy = self.caps(holders=8, waiting=0, held=held, recent=dict.fromkeys(("a", "b", "c"), 4.0))
+        self.assertEqual(greedy, {"flood": 2})
+        # A mate holding more than it recently used keeps nothing beyond what it holds.
+        self.assertEqual(
+            self.caps(holders=8, waiting=0, held={"flood": 6, "mate": 2}, recent={"mate": 1.0}), {"flood": 6}
+        )
+
+    def test_wanting_tenants_shares_are_whole_slots_that_add_up(self) -> None:
+        held = {"x": 4, "y": 4}
+        caps = self.caps(capacity=7, holders=7, waiting=1, held=held, wanting={"x", "y"}, recent={})
+        self.assertEqual(sorted(caps.values()), [3, 4], "7 slots between two equal tenants: 3 and 4, not 4 and 4")
+
     def test_the_cap_bounds_the_limit_but_never_below_the_floor_and_dedicated_comes_on_top(self) -> None:
         self.assertEqual(limit(in_flight=10).limit, 16)  # an idle pool: ceiling 4 x f_max
         capped = limit(in_flight=10, shard_cap=5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -179,6 +180,51 @@ class _Planned:
 
 _planned = _Planned()
 
+# How far back a shard remembers what a tenant held, for the room it keeps free for it
+# (tenants.limits.shard_caps `recent`): long enough to span the gaps between a steady
+# tenant's jobs, short enough that a tenant gone quiet stops holding room within seconds.
+RECENT_USE_SECONDS = 5.0
+# Below this a tenant's recent use is forgotten (keeps the map to tenants that ran lately).
+RECENT_USE_FORGOTTEN = 0.01
+
+
+@dataclasses.dataclass
+class RecentUse:
+    """What each tenant held of late: an exponentially weighted mean of its key's holders
+    as the ticks of this process saw them (a new duty holder starts from what they hold).
+    `version` changes whenever a mean moves by a hundredth of a slot or more, so a tick can
+    tell that the room it keeps moved though nothing else did."""
+
+    held: dict[str, float] = dataclasses.field(default_factory=dict)
+    at: float | None = None
+    version: int = 0
+
+    def observe(self, held: dict[str, int], now: float) -> dict[str, float]:
+        weight = 1.0 if self.at is None else 1.0 - math.exp(-max(now - self.at, 0.0) / RECENT_USE_SECONDS)
+        self.at = now
+        mean = self.held
+        moved = False
+        for slug, n in held.items():
+            before = mean.get(slug)
+            if before is None:
+                if n:
+                    mean[slug] = float(n)
+                    moved = True
+                continue
+            after = before + weight * (n - before)
+            if after < RECENT_USE_FORGOTTEN and not n:
+                del mean[slug]
+                moved = True
+                continue
+            mean[slug] = after
+            moved = moved or round(after, 2) != round(before, 2)
+        if moved:
+            self.version += 1
+        return mean
+
+
+_recent_use = RecentUse()
+
 
 def limits_refresh() -> int:
     """Push every tenant's current limit (and each shard's batch room) to the engine.
@@ -218,10 +264,11 @@ def limits_refresh() -> int:
         shard_held[name] = shard_counts.get(SHARD_KEY, 0)
         held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
     previous_caps: dict[str, int | None] = dict(live.shard_caps_read())
+    recent = _recent_use.observe(held, time.monotonic())
     capacities = {
         name: max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0)) for name, shard in policy.shards.items()
     }
-    inputs = (dataclasses.replace(fleet, at=0.0), signals, held, shard_held, previous_caps)
+    inputs = (dataclasses.replace(fleet, at=0.0), signals, held, shard_held, previous_caps, _recent_use.version)
     if (
         _planned.plan is not None
         and _planned.inputs is not None
@@ -238,7 +285,9 @@ def limits_refresh() -> int:
             held=held,
             slots=fleet.slots,
             in_flight=fleet.in_flight + fleet.batch_in_flight,
-            caps_for=lambda formulas: _shard_caps(policy, fleet, members_of, formulas, held, shard_held, previous_caps),
+            caps_for=lambda formulas: _shard_caps(
+                policy, fleet, members_of, formulas, held, shard_held, previous_caps, recent
+            ),
         )
         # The limits this tick sets are published too: a process admitting a tenant's jobs
         # passes the tick's limit (fairqueue.jobs.admission.tenant_limit_for) rather than
@@ -288,9 +337,10 @@ def limits_refresh() -> int:
 
 def limits_pushed_forget() -> None:
     """Send every limit with the next tick, computed afresh (tests; a rebuilt tag)."""
-    global _pushed, _planned
+    global _pushed, _planned, _recent_use
     _pushed = _Pushed()
     _planned = _Planned()
+    _recent_use = RecentUse()
 
 
 def _key_limit(formula: int, cap: int | None) -> int:
@@ -305,6 +355,7 @@ def _shard_caps(
     held: dict[str, int],
     shard_held: dict[str, int],
     previous: dict[str, int | None],
+    recent: dict[str, float],
 ) -> dict[str, int]:
     """Caps for tenants that want more than their fair share of a shard whose capacity
     binds (tenants.limits.shard_caps). A tenant wants more when it holds as much as its key
@@ -333,6 +384,7 @@ def _shard_caps(
                 # As the shard key's fair order weighs them (fairqueue.jobs.admission).
                 weight={tp.slug: float(max(tp.floor, 1)) for tp in members},
                 floor={tp.slug: tp.floor for tp in members},
+                recent={tp.slug: recent.get(tp.slug, 0.0) for tp in members},
             )
         )
     return caps
