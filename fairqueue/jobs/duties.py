@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from django.utils import timezone
@@ -190,7 +190,7 @@ class _Roster:
 
     policy: PolicySnapshot
     members_of: dict[str, list[str]]
-    keys_of: dict[str, list[str]]  # tag -> [SHARD_KEY, its tenants' keys]
+    keys_of: dict[str, Sequence[str]]  # tag -> [SHARD_KEY, its tenants' keys]
 
 
 _roster: _Roster | None = None
@@ -204,7 +204,9 @@ def _roster_for(policy: PolicySnapshot) -> _Roster:
         for tp in policy.tenants.values():
             if tp.shard in members_of:
                 members_of[tp.shard].append(tp.slug)
-        keys_of = {shard_tag(name): [SHARD_KEY, *map(tenant_key, members)] for name, members in members_of.items()}
+        keys_of: dict[str, Sequence[str]] = {
+            shard_tag(name): [SHARD_KEY, *map(tenant_key, members)] for name, members in members_of.items()
+        }
         _roster = _Roster(policy=policy, members_of=members_of, keys_of=keys_of)
     return _roster
 

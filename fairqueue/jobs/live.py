@@ -415,7 +415,7 @@ class SignalsView:
             else:
                 changed = set(rings.changes[self.position - rings.changes_base :])
                 changed.intersection_update(self.out)
-                todo = changed
+                todo = list(changed)
             self.position = rings.changes_base + len(rings.changes)
             self.reads += 1
             if len(self.interned) > 2 * len(slugs) + 1000:
