@@ -120,12 +120,14 @@ class IncrementalReadTests(RedisTestCase):
     def test_after_a_flush_the_rates_are_those_of_the_empty_rings(self) -> None:
         t0 = 5_000_000 * 30.0
         for bucket in range(10):
-            live.record_submissions(tenant_slug="busy", count=6, now=t0 + bucket * 30 + 1)
+            live._ring_add("busy", 6, t0 + bucket * 30 + 1)  # as submits write (no epoch)
         view = live.SignalsView()
         self.assertEqual(view.read(["busy", "idle"], now=t0 + 10 * 30 + 1)[0]["busy"].rate_per_min, 12.0)
-        self.redis.flushdb()  # the rings, the touched sets and the epoch with them
-        signals, _ = view.read(["busy", "idle"], now=t0 + 10 * 30 + 2)
+        self.redis.flushdb()  # the rings and the touched sets with them
+        # A ring with counts is read again when the next bucket completes: empty now.
+        signals, changed = view.read(["busy", "idle"], now=t0 + 11 * 30 + 1)
         self.assertEqual(signals["busy"].rate_per_min, 0.0)
+        self.assertEqual(changed, {"busy"})
 
     def test_a_view_reports_what_changed_since_its_own_last_read(self) -> None:
         t0 = 6_000_000 * 30.0
