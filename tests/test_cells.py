@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from fairqueue.jobs import cells
@@ -91,6 +93,20 @@ class CellsTests(CellsTestCase):
         # The row says cancelled, but the cells never heard (a Redis error at that moment).
         Job.objects.filter(id=oldest.id).update(status=JobStatus.CANCELLED, finished_at=timezone.now())
         self.assertEqual(cells.cells_audit(), 1)
+        self.assert_matches_database()
+
+    def test_the_ticks_audit_checks_a_head_once_then_again_when_due(self) -> None:
+        cells._audit_next.clear()
+        jobs = self.submit(3)
+        oldest = min(jobs, key=lambda j: j.submitted_at)
+        self.assertEqual(cells.cells_audit(incremental=True), 0)  # new heads: checked, all waiting
+        with CaptureQueriesContext(connection) as queries:
+            self.assertEqual(cells.cells_audit(incremental=True), 0)
+        self.assertEqual(len(queries), 0)  # nothing new and none due again: no query
+        Job.objects.filter(id=oldest.id).update(status=JobStatus.CANCELLED, finished_at=timezone.now())
+        for job_id in cells._audit_next:  # AUDIT_RECHECK_SECONDS later
+            cells._audit_next[job_id] = 0.0
+        self.assertEqual(cells.cells_audit(incremental=True), 1)
         self.assert_matches_database()
 
     def test_reading_costs_one_command_whatever_the_backlog(self) -> None:

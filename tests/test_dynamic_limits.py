@@ -12,7 +12,7 @@ from django.utils import timezone
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import LiveSignals, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.dispatch import job_release
-from fairqueue.jobs.duties import limits_refresh
+from fairqueue.jobs.duties import limits_pushed_forget, limits_refresh
 from fairqueue.jobs.fleet import SEEN_KEY, WORKERS_KEY
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine
@@ -20,6 +20,7 @@ from fairqueue.jobs.selectors import tenant_limits_explain
 from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
 from tenants.models import PoolSettings, SubTenant, Tenant
 from tenants.policy import policy_snapshot
+from tenants.sync import policy_sync_all
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
@@ -60,6 +61,29 @@ class PressureTests(E2EBase):
             self.assertLess(b["limit"], idle[slug]["limit"])
         self.assertEqual(busy["small"]["limit"], 2)  # ceiling 4 * 0.5
         self.assertEqual(busy["large"]["limit"], 10)  # 20 * 0.5 = 10, its floor
+
+    def test_a_steady_tick_recomputes_the_limit_of_a_tenant_whose_signals_moved(self) -> None:
+        PoolSettings.objects.filter(pk=1).update(rate_window_seconds=300, default_job_seconds=10)
+        make_tenant("mover", floor=1)
+        make_tenant("still", floor=1)
+        policy_sync_all()
+        self.register_fleet(200)
+        now = time.time()
+        for bucket in range(1, 11):  # 60 a minute
+            live.record_submissions(tenant_slug="mover", count=30, now=now - bucket * 30)
+        limits_pushed_forget()
+
+        def tick_limit(slug: str) -> int | None:
+            return live.tick_limit_parse(self.redis.hget(live.TICK_LIMITS_KEY, slug))[0]
+
+        limits_refresh()
+        limits_refresh()  # nothing moved: the plan of the first
+        before, still = tick_limit("mover"), tick_limit("still")
+        live.record_finish(tenant_slug="mover", seconds=30.0, batch=False)  # its mean: 10 s by default, now 30
+        limits_refresh()
+        self.assertIsNotNone(before)
+        self.assertGreater(tick_limit("mover"), before)  # type: ignore[operator]
+        self.assertEqual(tick_limit("still"), still)
 
     def test_under_saturation_tenants_below_their_fair_share_keep_their_ceiling(self) -> None:
         small = make_tenant("small", floor=1, burst_floor=3)[0]  # ceiling 4
@@ -177,8 +201,6 @@ class PressureTests(E2EBase):
         steady, _ = make_tenant("steady", floor=1)
         bursty, _ = make_tenant("bursty", floor=1)
         PoolSettings.objects.filter(pk=1).update(rate_window_seconds=300, default_job_seconds=10)
-        from tenants.sync import policy_sync_all
-
         policy_sync_all()
         now = time.time()
         for bucket in range(1, 11):  # 30 jobs in each of the last ten 30 s intervals
@@ -287,8 +309,6 @@ class BatchLaneTests(E2EBase):
         _, busy_key = make_tenant("always-busy", floor=4, max_concurrency=4)
         _, batch_key = make_tenant("deadline", batch_enabled=True)
         PoolSettings.objects.filter(pk=1).update(batch_objective_seconds=4)
-        from tenants.sync import policy_sync_all
-
         policy_sync_all()
         with WorkerProcess(slots=4):
             busy = [self.submit(busy_key, {"task": "demo.sleep", "args": {"seconds": 6.0}})["id"] for _ in range(3)]

@@ -505,6 +505,23 @@ class EngineBehaviour(RedisTestCase):
         fields = set(self.e.client.hkeys(tag_keys("fq", T)[0]))
         self.assertEqual({f for f in fields if f[:1] != b"\1"}, set())  # idle keys forget their limits too
 
+    def test_counts_many_of_the_same_long_key_list_follow_every_change(self) -> None:
+        """A periodic reader passes the same list of thousands of keys each time: it is
+        checked once and a reply equal to the last is not decoded again, but a changed
+        reply is, and the caller may change the dict it gets."""
+        keys = [f"t:{i}" for i in range(200)]
+        self.admit("a", {"t:7": 2})
+        first = self.e.counts_many({T: keys})[T]
+        self.assertEqual(first["t:7"], 1)
+        first["t:7"] = 99  # the caller's own copy
+        self.assertEqual(self.e.counts_many({T: keys})[T]["t:7"], 1)
+        self.admit("b", {"t:7": 2, "t:150": 1})
+        again = self.e.counts_many({T: keys})[T]
+        self.assertEqual((again["t:7"], again["t:150"], again["t:0"]), (2, 1, 0))
+        self.assertEqual(self.e.counts_many({T: ["t:7"]})[T], {"t:7": 2})  # another list, same tag
+        self.e.release(tag=T, job_id="a")
+        self.assertEqual(self.e.counts_many({T: keys})[T]["t:7"], 1)
+
     def test_idle_keys_keep_no_fields_and_a_parked_job_brings_its_own_limit(self) -> None:
         """A tag's hash holds nothing for a key nobody holds or waits on, however many keys
         were ever used (a customer naming a sub-tenant per job must not grow it)."""

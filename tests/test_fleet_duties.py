@@ -129,6 +129,18 @@ class RecentUseTests(SimpleTestCase):
             use.observe({"steady": 0, "idle": 0}, now=now)
         self.assertEqual(use.held, {}, "a tenant quiet for long is forgotten")
 
+    def test_frequent_ticks_with_unchanged_holders_still_let_a_mean_move(self) -> None:
+        # The tick passes the very same holders dict while nothing changed; ticks closer
+        # together than a hundredth of a slot's move must not freeze the mean short of it.
+        use = RecentUse()
+        use.observe({"mate": 2}, now=0.0)
+        unchanged = {"mate": 0}
+        now = 0.0
+        for _ in range(5000):
+            now += 0.01
+            use.observe(unchanged, now=now)
+        self.assertNotIn("mate", use.held, "forgotten after 50 s of holding nothing")
+
     def test_its_version_moves_only_when_a_mean_does(self) -> None:
         use = RecentUse()
         use.observe({"a": 1, "b": 0}, now=0.0)

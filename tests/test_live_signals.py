@@ -69,3 +69,76 @@ class RateRingTests(RedisTestCase):
         live.record_finish(tenant_slug="s", seconds=12.0, batch=False)
         _, mean = live.tenant_signals_read(tenant_slug="s")
         self.assertAlmostEqual(mean, 2.0 + live.MEAN_ALPHA * 10.0, places=5)
+
+
+class IncrementalReadTests(RedisTestCase):
+    """The tick's read of every tenant's signals (live.SignalsView) reads again only what
+    may have moved: the rings written in the bucket that just completed (its touched set),
+    the rings that hold counts, an audit slice, and the mean of tenants with a rate."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        live.live_invalidate()
+
+    def ring_reads(self) -> int:
+        return int(self.redis.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+    def test_a_tenant_that_starts_submitting_is_read_again_and_no_idle_one_is(self) -> None:
+        t0 = 3_000_000 * 30.0  # a bucket boundary
+        slugs = [f"idle{i}" for i in range(3000)] + ["busy"]
+        view = live.SignalsView()
+        signals, changed = view.read(slugs, now=t0 + 1)
+        self.assertIsNone(changed)  # the first read: everything
+        self.assertEqual(signals["busy"].rate_per_min, 0.0)
+        slice_size = -(-len(slugs) // live.RING_AUDIT_CALLS)
+        for bucket in range(5):
+            live._ring_add("busy", 6, t0 + bucket * 30 + 1)  # as a submit writes: in its time's bucket
+            self.redis.config_resetstat()
+            signals, changed = view.read(slugs, now=t0 + (bucket + 1) * 30 + 1)
+            # Its ring and an audit slice, not three thousand rings.
+            self.assertLessEqual(self.ring_reads(), 1 + slice_size)
+        self.assertEqual(signals["busy"].rate_per_min, 6.0)  # the median of 5 x 6 and 5 x 0 jobs per 30 s
+        self.assertEqual(changed, {"busy"})
+        # Nothing written since: a read in the same bucket changes nothing.
+        self.assertEqual(view.read(slugs, now=t0 + 5 * 30 + 2)[1], set())
+
+    def test_a_ring_whose_touched_set_was_lost_is_read_again_by_the_audit(self) -> None:
+        t0 = 4_000_000 * 30.0
+        slugs = [f"idle{i}" for i in range(9)] + ["busy"]
+        view = live.SignalsView()
+        view.read(slugs, now=t0 + 1)
+        for bucket in range(5):
+            live._ring_add("busy", 6, t0 + bucket * 30 + 1)
+            # Its touched set lost (evicted, or the write's SADD failed).
+            self.redis.delete(live.ring_touched_key(int((t0 + bucket * 30 + 1) // 30)))
+            view.read(slugs, now=t0 + (bucket + 1) * 30 + 1)
+        rates = []
+        for _ in range(len(slugs)):  # a whole audit pass over these tenants
+            rates.append(view.read(slugs, now=t0 + 5 * 30 + 2)[0]["busy"].rate_per_min)
+        self.assertEqual(rates[-1], 6.0)
+
+    def test_after_a_flush_the_rates_are_those_of_the_empty_rings(self) -> None:
+        t0 = 5_000_000 * 30.0
+        for bucket in range(10):
+            live._ring_add("busy", 6, t0 + bucket * 30 + 1)  # as submits write (no epoch)
+        view = live.SignalsView()
+        self.assertEqual(view.read(["busy", "idle"], now=t0 + 10 * 30 + 1)[0]["busy"].rate_per_min, 12.0)
+        self.redis.flushdb()  # the rings and the touched sets with them
+        # A ring with counts is read again when the next bucket completes: empty now.
+        signals, changed = view.read(["busy", "idle"], now=t0 + 11 * 30 + 1)
+        self.assertEqual(signals["busy"].rate_per_min, 0.0)
+        self.assertEqual(changed, {"busy"})
+
+    def test_a_view_reports_what_changed_since_its_own_last_read(self) -> None:
+        t0 = 6_000_000 * 30.0
+        for bucket in range(10):
+            live.record_submissions(tenant_slug="busy", count=6, now=t0 + bucket * 30 + 1)
+        tick, dashboard = live.SignalsView(), live.SignalsView()
+        tick.read(["busy", "idle"], now=t0 + 10 * 30 + 1)
+        dashboard.read(["busy", "idle"], now=t0 + 10 * 30 + 1)
+        live.record_finish(tenant_slug="busy", seconds=4.0, batch=False)  # its mean moves
+        self.assertEqual(dashboard.read(["busy", "idle"], now=t0 + 10 * 30 + 2)[1], {"busy"})
+        # The other view read since, and saw it: this one still learns of it.
+        signals, changed = tick.read(["busy", "idle"], now=t0 + 10 * 30 + 3)
+        self.assertEqual(changed, {"busy"})
+        self.assertEqual(signals["busy"].mean_seconds, 4.0)

@@ -274,7 +274,7 @@ class DuePromotionTests(ApiTestCase):
             else:
                 cursor.execute(f"EXPLAIN QUERY PLAN {sql}", params)
             plan = " ".join(str(row) for row in cursor.fetchall())
-        self.assertIn("job_status_due", plan)
+        self.assertIn("job_deferred_due", plan)
 
 
 class RetryEndToEndTests(E2EBase):

@@ -40,6 +40,8 @@ T = TypeVar("T")
 
 #: ``INFO`` sections that name a server's process and replication history.
 IDENTITY_SECTIONS = ("server", "replication")
+COUNTS_MEMO_SIZE = 1024  # key lists and replies remembered by counts (then all forgotten at once)
+COUNTS_MEMO_MIN_KEYS = 64  # shorter key lists are checked on every call (it costs little)
 
 
 def fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
@@ -89,6 +91,10 @@ class _Base:
     def __init__(self, prefix: str = "fq") -> None:
         validate_prefix(prefix)
         self.prefix = prefix
+        # ``counts`` calls that ask for the very same list of keys again (a periodic read of
+        # thousands of keys): the checked names, and the last reply with its decoding.
+        self._counts_memo: dict[tuple[str, int], tuple[Sequence[str], str, list[str]]] = {}
+        self._decoded: dict[tuple[str, int], tuple[list[str], list[Any], dict[str, int]]] = {}
 
     def _admit(
         self,
@@ -124,8 +130,18 @@ class _Base:
         return tag_list, [ops.reclaim(self.prefix, tag=t, max_jobs=max_jobs_per_tag) for t in tag_list]
 
     def _counts_args(self, tag: str, keys: Sequence[str]) -> tuple[str, list[str]]:
+        found = self._counts_memo.get((tag, id(keys)))
+        if found is not None and found[0] is keys:
+            return found[1], found[2]
         names = [ops._check_key_name(k) for k in keys]
-        return key_name(self.prefix, tag, "state"), names
+        name = key_name(self.prefix, tag, "state")
+        if len(names) >= COUNTS_MEMO_MIN_KEYS:
+            if len(self._counts_memo) >= COUNTS_MEMO_SIZE:
+                self._counts_memo.clear()
+            # The entry holds `keys`, so its id is not reused while it lives. A list changed
+            # in place would be read with its old names: callers pass a new list for new keys.
+            self._counts_memo[(tag, id(keys))] = (keys, name, names)
+        return name, names
 
     @staticmethod
     def _counts_decode(names: Sequence[str], raw: Sequence[Any]) -> dict[str, int]:
@@ -303,7 +319,18 @@ class Engine(_Base):
         raws = pipe.execute()
         out: dict[str, dict[str, int]] = {tag: {} for tag in requests}
         for (tag, _, names), raw in zip(asked, raws, strict=True):
-            out[tag] = self._counts_decode(names, raw)
+            if len(names) < COUNTS_MEMO_MIN_KEYS:
+                out[tag] = self._counts_decode(names, raw)
+                continue
+            last = self._decoded.get((tag, id(names)))
+            if last is not None and last[0] is names and last[1] == raw:
+                decoded = last[2]  # the same reply to the same names: most counts stay put
+            else:
+                decoded = self._counts_decode(names, raw)
+                if len(self._decoded) >= COUNTS_MEMO_SIZE:
+                    self._decoded.clear()
+                self._decoded[(tag, id(names))] = (names, raw, decoded)
+            out[tag] = dict(decoded)
         return out
 
     def set_limits_many(self, limits: dict[str, KeysArg], *, require_ready: bool = False) -> dict[str, list[Woken]]:

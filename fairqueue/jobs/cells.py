@@ -17,8 +17,8 @@ started. Its cells change with its class lane (a promoted batch job) or its tena
 place (fairqueue.jobs.moves). Every update is idempotent (sorted-set membership), and
 those that follow the entry ("reset", "park") do nothing to a job that left meanwhile, so
 a repeated or crossed update leaves the cells right; one lost to a Redis error is put
-right by `cells_audit` (the oldest jobs, each tick) or `cells_rebuild` (everything, when
-Redis lost its state).
+right by `cells_audit` (the oldest jobs: a new one at the next tick, each again within
+about AUDIT_RECHECK_SECONDS) or `cells_rebuild` (everything, when Redis lost its state).
 
 Cost: each of those transitions is one more Redis round trip (an EVALSHA of a small
 script, all the jobs of one call in it), beside the engine call it follows.
@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +50,10 @@ OF_KEY = PREFIX + "of"
 BUILT_KEY = PREFIX + "built"  # set once the cells were built from the database
 OPS_PER_CALL = 500
 AUDIT_OLDEST = 5  # members of each shard cell checked against the database per audit
+# The tick's audit (incremental) checks a head job when it becomes one, then again about
+# this often (spread: each check picks its next time between half and one and a half of
+# it), not every head every tick: a steady backlog's heads cost no query most ticks.
+AUDIT_RECHECK_SECONDS = 10.0
 REBUILD_CHUNK = 5000
 
 _SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
@@ -273,10 +279,17 @@ def cells_ensure() -> int:
     return cells_rebuild()
 
 
-def cells_audit(*, policy: PolicySnapshot | None = None) -> int:
+_audit_next: dict[str, float] = {}  # head job id -> when (monotonic) the incremental audit checks it again
+
+
+def cells_audit(*, policy: PolicySnapshot | None = None, incremental: bool = False) -> int:
     """Check the oldest AUDIT_OLDEST jobs of every shard cell against the database and
     take out those that wait no more (an update lost to an error): the oldest age shown
-    is then right within a tick. One pipelined read, one query; returns jobs removed."""
+    is then right within a tick. One pipelined read, one query; returns jobs removed.
+
+    `incremental` (the tick): only the heads not checked yet or due again (see
+    AUDIT_RECHECK_SECONDS), so a lost update at a head that was already checked shows
+    within that time rather than a tick; no query when none is due."""
     policy = policy or policy_snapshot()
     classes = [*policy.classes, BATCH_CLASS]
     names = [shard_cell(s, c) for s in policy.shards for c in classes]
@@ -284,14 +297,24 @@ def cells_audit(*, policy: PolicySnapshot | None = None) -> int:
     for name in names:
         pipe.zrange(PREFIX + "z:" + name, 0, AUDIT_OLDEST - 1)
     ids = {i for members in pipe.execute() for i in members}
-    if not ids:
+    now = time.monotonic()
+    if incremental:
+        for job_id in [i for i in _audit_next if i not in ids]:
+            del _audit_next[job_id]  # no longer a head: checked again if it becomes one
+        checking = {i for i in ids if _audit_next.get(i, now) <= now}
+    else:
+        checking = ids
+    if not checking:
         return 0
     still = {
         str(i)
-        for i in Job.objects.filter(id__in=list(ids), status__in=[JobStatus.QUEUED, JobStatus.PARKED]).values_list(
+        for i in Job.objects.filter(id__in=list(checking), status__in=[JobStatus.QUEUED, JobStatus.PARKED]).values_list(
             "id", flat=True
         )
     }
-    gone = sorted(ids - still)
+    gone = sorted(checking - still)
     jobs_leave(gone)
+    if incremental:
+        for job_id in still:
+            _audit_next[job_id] = now + AUDIT_RECHECK_SECONDS * random.uniform(0.5, 1.5)
     return len(gone)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from django.utils import timezone
@@ -66,9 +66,9 @@ def retention_step() -> None:
 
 
 def cells_step() -> None:
-    """Build the cells if Redis has none, else check their oldest jobs (bounded)."""
+    """Build the cells if Redis has none, else check their oldest jobs (those due a check)."""
     if cells.cells_ensure() < 0:
-        cells.cells_audit()
+        cells.cells_audit(incremental=True)
 
 
 def scheduler_tick() -> None:
@@ -176,6 +176,9 @@ class _Planned:
     plan: LimitsPlan | None = None
     published: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     wanted: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # The signals view's read this plan (or its last reuse) went with: the view reports
+    # changes since its previous read, which must be this one.
+    signals_read: int = -1
 
 
 _planned = _Planned()
@@ -186,6 +189,8 @@ _planned = _Planned()
 RECENT_USE_SECONDS = 5.0
 # Below this a tenant's recent use is forgotten (keeps the map to tenants that ran lately).
 RECENT_USE_FORGOTTEN = 0.01
+# A mean this close to what its tenant holds has reached it (see RecentUse.settled).
+RECENT_USE_SETTLED = 0.001
 
 
 @dataclasses.dataclass
@@ -198,12 +203,22 @@ class RecentUse:
     held: dict[str, float] = dataclasses.field(default_factory=dict)
     at: float | None = None
     version: int = 0
+    # The holders last observed, and whether every mean had reached them then (within
+    # SETTLED): the same dict again (the tick's holders unchanged) leaves every mean where
+    # it is, so a steady tick makes no pass over every tenant.
+    last: dict[str, int] | None = None
+    settled: bool = False
 
     def observe(self, held: dict[str, int], now: float) -> dict[str, float]:
+        if held is self.last and self.settled:
+            self.at = now
+            return self.held
         weight = 1.0 if self.at is None else 1.0 - math.exp(-max(now - self.at, 0.0) / RECENT_USE_SECONDS)
         self.at = now
+        self.last = held
         mean = self.held
         moved = False
+        settled = True
         for slug, n in held.items():
             before = mean.get(slug)
             if before is None:
@@ -218,12 +233,74 @@ class RecentUse:
                 continue
             mean[slug] = after
             moved = moved or round(after, 2) != round(before, 2)
+            settled = settled and abs(after - n) < RECENT_USE_SETTLED
         if moved:
             self.version += 1
+        self.settled = settled
         return mean
 
 
 _recent_use = RecentUse()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Roster:
+    """What the tick derives from one policy snapshot alone: each shard's tenants and the
+    engine keys whose holders it reads (a policy change makes a new one)."""
+
+    policy: PolicySnapshot
+    members_of: dict[str, list[str]]
+    keys_of: dict[str, Sequence[str]]  # tag -> [SHARD_KEY, its tenants' keys]
+
+
+_roster: _Roster | None = None
+_signals_view = live.SignalsView()
+
+
+def _roster_for(policy: PolicySnapshot) -> _Roster:
+    global _roster
+    if _roster is None or _roster.policy is not policy:
+        members_of: dict[str, list[str]] = {name: [] for name in policy.shards}
+        for tp in policy.tenants.values():
+            if tp.shard in members_of:
+                members_of[tp.shard].append(tp.slug)
+        keys_of: dict[str, Sequence[str]] = {
+            shard_tag(name): [SHARD_KEY, *map(tenant_key, members)] for name, members in members_of.items()
+        }
+        _roster = _Roster(policy=policy, members_of=members_of, keys_of=keys_of)
+    return _roster
+
+
+@dataclasses.dataclass
+class _Holders:
+    """The holders the tick last read, per tag as the engine returned them, and what was
+    derived from them, reused while the engine's counts are equal."""
+
+    roster: _Roster | None = None
+    counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    held: dict[str, int] = dataclasses.field(default_factory=dict)
+    shard_held: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+_holders = _Holders()
+
+
+def _holders_read(roster: _Roster) -> tuple[dict[str, int], dict[str, int]]:
+    """Every tenant key's holders and every shard key's, in one pipelined read; the very
+    dicts of the last call when nothing changed."""
+    global _holders
+    counts = engine().counts_many(roster.keys_of)
+    last = _holders
+    if last.roster is roster and last.counts == counts:
+        return last.held, last.shard_held
+    held: dict[str, int] = {}
+    shard_held: dict[str, int] = {}
+    for name, members in roster.members_of.items():
+        shard_counts = counts[shard_tag(name)]
+        shard_held[name] = shard_counts.get(SHARD_KEY, 0)
+        held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
+    _holders = _Holders(roster=roster, counts=counts, held=held, shard_held=shard_held)
+    return held, shard_held
 
 
 def limits_refresh() -> int:
@@ -246,37 +323,33 @@ def limits_refresh() -> int:
     """
     global _planned
     policy = policy_snapshot()
+    roster = _roster_for(policy)
+    members_of = roster.members_of
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
     # The tick decides afresh: what it published last time (shares, caps, its limits) is
     # not an input, except each tenant's previous cap (see _key_limit).
-    signals = live.signals_read_many(list(policy.tenants), fleet=fleet)
-    members_of: dict[str, list[str]] = {name: [] for name in policy.shards}
-    for tp in policy.tenants.values():
-        if tp.shard in members_of:
-            members_of[tp.shard].append(tp.slug)
-    counts = engine().counts_many(
-        {shard_tag(name): [SHARD_KEY, *(tenant_key(slug) for slug in members)] for name, members in members_of.items()}
-    )
-    held: dict[str, int] = {}
-    shard_held: dict[str, int] = {}
-    for name, members in members_of.items():
-        shard_counts = counts[shard_tag(name)]
-        shard_held[name] = shard_counts.get(SHARD_KEY, 0)
-        held.update({slug: shard_counts.get(tenant_key(slug), 0) for slug in members})
+    signals, signals_changed = _signals_view.read(list(policy.tenants), fleet=fleet)
+    held, shard_held = _holders_read(roster)
     previous_caps: dict[str, int | None] = dict(live.shard_caps_read())
     recent = _recent_use.observe(held, time.monotonic())
     capacities = {
         name: max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{name}", 0)) for name, shard in policy.shards.items()
     }
-    inputs = (dataclasses.replace(fleet, at=0.0), signals, held, shard_held, previous_caps, _recent_use.version)
+    # The signals count as equal when the view says none changed (comparing ten thousand
+    # of them by value cost more than the rest of a steady tick).
+    inputs = (dataclasses.replace(fleet, at=0.0), held, shard_held, previous_caps, _recent_use.version)
     if (
         _planned.plan is not None
         and _planned.inputs is not None
         and _planned.inputs[0] is policy
+        and signals_changed is not None
+        and not signals_changed
+        and _planned.signals_read == _signals_view.reads - 1
         and _planned.inputs[1:] == inputs
         and all(shard_held[name] < capacity for name, capacity in capacities.items())
     ):
         plan, published, wanted = _planned.plan, _planned.published, _planned.wanted
+        _planned.signals_read = _signals_view.reads
         reused = True
     else:
         plan = limits_plan(
@@ -301,7 +374,9 @@ def limits_refresh() -> int:
             limits = {SHARD_KEY: capacities[name], BATCH_KEY: fleet.batch_limit(name)}
             limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
             wanted[shard_tag(name)] = limits
-        _planned = _Planned(inputs=(policy, *inputs), plan=plan, published=published, wanted=wanted)
+        _planned = _Planned(
+            inputs=(policy, *inputs), plan=plan, published=published, wanted=wanted, signals_read=_signals_view.reads
+        )
         reused = False
     if live.shares_publish(plan.idle, plan.fair, plan.caps, published, unchanged=reused):
         # What this process remembers sending may not hold either (another process ticked
@@ -337,9 +412,11 @@ def limits_refresh() -> int:
 
 def limits_pushed_forget() -> None:
     """Send every limit with the next tick, computed afresh (tests; a rebuilt tag)."""
-    global _pushed, _planned, _recent_use
+    global _pushed, _planned, _signals_view, _holders, _recent_use
     _pushed = _Pushed()
     _planned = _Planned()
+    _signals_view = live.SignalsView()
+    _holders = _Holders()
     _recent_use = RecentUse()
 
 

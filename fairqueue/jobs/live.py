@@ -150,6 +150,7 @@ class FleetState:
 
 _lock = threading.Lock()
 _tenants: dict[str, _TenantCache] = {}
+_unflushed: set[str] = set()  # tenants with counts or durations held here (the tick flushes them)
 _fleet = FleetState()
 
 
@@ -171,6 +172,8 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
         due = time.monotonic() - entry.flushed_at >= SIGNAL_TTL_SECONDS
         if due:
             pending, entry.pending, entry.flushed_at = entry.pending, 0, time.monotonic()
+        else:
+            _unflushed.add(tenant_slug)
     if due:
         # A tenant that only submits (a burst) still reaches the ring within a second.
         try:
@@ -179,6 +182,7 @@ def record_submissions(*, tenant_slug: str, count: int, now: float | None = None
             # A statistic never fails a submit: keep the count for the next flush.
             with _lock:
                 entry.pending += pending
+                _unflushed.add(tenant_slug)
 
 
 def _ring_add(slug: str, count: int, now: float, *, past: bool = False) -> None:
@@ -189,9 +193,8 @@ def _ring_add(slug: str, count: int, now: float, *, past: bool = False) -> None:
         # A count for a given instant may land in a completed bucket, which readers cache
         # (signals_read_many): tell them to read every ring again.
         pipe.incr(RING_EPOCH_KEY)
-    pipe.hincrby(rate_key(slug), str(bucket), count)
+    _ring_write(pipe, slug, bucket, count, window)
     pipe.hdel(rate_key(slug), *[str(bucket - RING_BUCKETS - i) for i in range(1, 4)])
-    pipe.expire(rate_key(slug), window * 2 + 60)
     pipe.execute()
 
 
@@ -212,8 +215,7 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
     pipe = redis_client().pipeline(transaction=False)
     _queue_means(pipe, durations)  # finished jobs ride along: no round trip of their own
     if pending:
-        pipe.hincrby(rate_key(tenant_slug), str(current), pending)
-        pipe.expire(rate_key(tenant_slug), window * 2 + 60)
+        _ring_write(pipe, tenant_slug, current, pending, window)
     pipe.hmget(rate_key(tenant_slug), fields)
     pipe.get(mean_key(tenant_slug))
     pipe.hget(SHARES_KEY, tenant_slug)
@@ -235,42 +237,97 @@ def tenant_signals_read(*, tenant_slug: str, now: float | None = None) -> tuple[
 
 @dataclass
 class _RingCache:
-    bucket: int  # the ring's current bucket when it was read: completed buckets never change
+    bucket: int  # the current bucket when the ring was read (its completed buckets are before it)
     rate: float
     mean: float | None
+    counted: bool  # some completed bucket held a count: the rate moves as buckets complete
 
 
-_rings: dict[str, _RingCache] = {}
-_rings_epoch: str | None = None
+# Which tenants' rings were written in a bucket: a SET per bucket, so that when it completes
+# a reader re-reads those rings and the ones it holds with counts (a count leaving the
+# window), not every tenant's. Writers add to it in the write's own round trip.
+RING_TOUCHED_PREFIX = "fq:rate:touched:"
+# Every ring is also re-read, a slice per call, within this many calls (about ten minutes
+# of ticks): what converges a reader whose touched set was lost (evicted, or a write whose
+# SADD failed) and a mean that expired.
+RING_AUDIT_CALLS = 1200
+CHANGES_KEPT = 100_000  # changed-tenant log entries kept for SignalsView (then all count as changed)
 
 
-def signals_read_many(
-    slugs: list[str], *, now: float | None = None, fleet: FleetState | None = None
-) -> dict[str, LiveSignals]:
-    """Every tenant's (rate, mean) for the duty tick, in one pipelined round trip, as
-    `LiveSignals` with the pool's figures and slots held elsewhere from `fleet` (none
-    without it) and no shares; tenants with equal signals share one object
-    (fairqueue.jobs.limits_plan computes once per distinct object).
+def ring_touched_key(bucket: int) -> str:
+    return f"{RING_TOUCHED_PREFIX}{bucket}"
 
-    The rate reads only completed ring buckets, which never change once complete, so a
-    ring is read again only when its current bucket moved on; the mean (which every
-    finished job moves) is read each call, but only for tenants with a rate: with none,
-    the formula's base is the floor whatever the mean. Counts and durations this process
-    holds ride along, as in `tenant_signals_read`.
-    """
-    global _rings_epoch
+
+def _ring_write(pipe: Any, slug: str, bucket: int, count: int, window: int) -> None:
+    pipe.hincrby(rate_key(slug), str(bucket), count)
+    pipe.expire(rate_key(slug), window * 2 + 60)
+    pipe.sadd(ring_touched_key(bucket), slug)
+    pipe.expire(ring_touched_key(bucket), window * 2 + 60)
+
+
+@dataclass
+class _Rings:
+    """This process's cache of every tenant's (rate, mean), shared by every SignalsView."""
+
+    by_slug: dict[str, _RingCache] = field(default_factory=dict)
+    epoch: str | None = None
+    bucket: int = 0  # the current bucket at the last refresh
+    seen: set[str] = field(default_factory=set)  # members of the previous bucket's touched set handled
+    counted: set[str] = field(default_factory=set)  # slugs whose cached ring held a count
+    rated: set[str] = field(default_factory=set)  # slugs whose cached rate is above zero
+    audit: int = 0  # where the next audit slice starts
+    changes: list[str] = field(default_factory=list)  # slugs whose (rate, mean) changed, in order
+    changes_base: int = 0  # the position of changes[0] since the cache began
+
+    def changed(self, slug: str) -> None:
+        self.changes.append(slug)
+        if len(self.changes) > CHANGES_KEPT:
+            half = len(self.changes) // 2
+            del self.changes[:half]
+            self.changes_base += half
+
+
+_rings = _Rings()
+_rings_lock = threading.Lock()  # the tick and a dashboard may read from two threads
+
+
+def _rings_refresh(slugs: list[str], now: float | None) -> None:
+    """Bring the cached (rate, mean) of `slugs` up to date, reading only what may have
+    moved: the rings of tenants written in the bucket that completed (its touched set) or
+    holding counts (one drops out of the window), a rotating audit slice, tenants not
+    cached yet, and the mean of every tenant with a rate (every finished job moves it;
+    without a rate the formula's base is the floor whatever the mean). Counts and
+    durations this process holds ride along, as in `tenant_signals_read`."""
     window = _window()
     now = time.time() if now is None else now
     current = int(now // _bucket_seconds(window))
     fields = [str(current - i) for i in range(1, RING_BUCKETS + 1)]
-    epoch: str | None = redis_client().get(RING_EPOCH_KEY)  # type: ignore[assignment]  # a text-mode client
-    if epoch != _rings_epoch:
-        _rings.clear()
-        _rings_epoch = epoch
+    check = redis_client().pipeline(transaction=False)
+    check.get(RING_EPOCH_KEY)
+    check.smembers(ring_touched_key(current - 1))
+    epoch, touched = check.execute()
+    rings = _rings
+    if epoch != rings.epoch or not rings.bucket <= current <= rings.bucket + 1:
+        # A count written to a completed bucket (the epoch), a bucket whose touched set we
+        # never read (no call for a whole bucket), or time going back: read every ring.
+        rings.by_slug.clear()
+        rings.counted.clear()
+        rings.rated.clear()
+        rings.seen = set()
+        rings.epoch = epoch
+        rings.changes_base += len(rings.changes) + 1  # every view starts over
+        rings.changes.clear()
+    if current != rings.bucket:
+        rings.bucket = current
+        rings.seen = set()
+    fresh_touched = {str(s) for s in touched} - rings.seen
+    rings.seen |= fresh_touched
     durations: list[tuple[str, float]] = []
     pending: dict[str, int] = {}
     with _lock:
-        for slug in slugs:
+        unflushed = list(_unflushed)
+        _unflushed.clear()
+        for slug in unflushed:
             entry = _tenants.get(slug)
             if entry is None:
                 continue
@@ -280,54 +337,127 @@ def signals_read_many(
                 durations += [(slug, d) for d in entry.durations]
                 entry.durations = []
                 entry.means_flushed_at = time.monotonic()
-    stale = [s for s in slugs if (c := _rings.get(s)) is None or c.bucket != current]
-    stale_set = set(stale)
-    with_rate = [s for s in slugs if s in stale_set or _rings[s].rate > 0]
+    cached = rings.by_slug
+    for slug in fresh_touched:
+        if slug in cached:
+            # Written in the bucket that completed (perhaps by a writer whose clock lags):
+            # whoever asks for it next reads it.
+            del cached[slug]
+            rings.counted.discard(slug)
+            rings.rated.discard(slug)
+            rings.changed(slug)
+    stale = {s for s in slugs if s not in cached}
+    stale.update(s for s in rings.counted if cached[s].bucket != current)
+    if slugs:
+        size = -(-len(slugs) // RING_AUDIT_CALLS)
+        start = rings.audit % len(slugs)
+        stale.update(slugs[start : start + size])
+        rings.audit = start + size
+    stale_list = list(stale)
+    with_rate = stale_list + [s for s in rings.rated if s not in stale]
     pipe = redis_client().pipeline(transaction=False)
     _queue_means(pipe, durations)
     for slug, count in pending.items():
-        pipe.hincrby(rate_key(slug), str(current), count)
-        pipe.expire(rate_key(slug), window * 2 + 60)
-    for slug in stale:
+        _ring_write(pipe, slug, current, count, window)
+    for slug in stale_list:
         pipe.hmget(rate_key(slug), fields)
     for slug in with_rate:
         pipe.get(mean_key(slug))
     results, redone = _execute(pipe, durations)
-    results = results[2 * len(pending) :]
-    rings, means = results[: len(stale)], results[len(stale) :]
+    results = results[4 * len(pending) :]
+    ring_replies, means = results[: len(stale_list)], results[len(stale_list) :]
     if redone:
         means = [redis_client().get(mean_key(slug)) for slug in with_rate]
-    for slug, ring in zip(stale, rings, strict=True):
-        rate = rate_from_ring([int(c or 0) for c in ring], window_seconds=window)
-        _rings[slug] = _RingCache(bucket=current, rate=rate, mean=None)
-    for slug, mean in zip(with_rate, means, strict=True):
-        _rings[slug].mean = float(mean) if mean else None
-    tenants = policy_snapshot().tenants
-    held = fleet.held_elsewhere if fleet is not None else {}
-    slots, in_flight = (fleet.slots, fleet.in_flight) if fleet is not None else (0, 0)
-    interned: dict[tuple[float, float | None, int, int], LiveSignals] = {}
-    out: dict[str, LiveSignals] = {}
-    for slug in slugs:
-        cached = _rings[slug]
-        tenant = tenants.get(slug)
-        key = (
-            cached.rate,
-            cached.mean if cached.rate > 0 else None,
-            held.get(f"t:{slug}", 0) if held else 0,
-            held.get(f"s:{tenant.shard}", 0) if held and tenant else 0,
-        )
-        found = interned.get(key)
-        if found is None:
-            found = interned[key] = LiveSignals(
-                rate_per_min=key[0],
-                mean_seconds=key[1],
-                pool_slots=slots,
-                in_flight=in_flight,
-                held_elsewhere=key[2],
-                shard_held_elsewhere=key[3],
-            )
-        out[slug] = found
-    return out
+    read: dict[str, tuple[float, bool]] = {}
+    for slug, ring in zip(stale_list, ring_replies, strict=True):
+        counts = [int(c or 0) for c in ring]
+        read[slug] = (rate_from_ring(counts, window_seconds=window), any(counts))
+    for slug, raw in zip(with_rate, means, strict=True):
+        old = cached.get(slug)
+        # Not re-read: a tenant with a rate, hence cached.
+        rate, counted = read[slug] if old is None else read.get(slug, (old.rate, old.counted))
+        mean = float(raw) if raw else None
+        if old is None or old.rate != rate or old.mean != mean:
+            rings.changed(slug)
+        cached[slug] = _RingCache(bucket=current, rate=rate, mean=mean, counted=counted)
+        (rings.counted.add if counted else rings.counted.discard)(slug)
+        (rings.rated.add if rate > 0 else rings.rated.discard)(slug)
+
+
+class SignalsView:
+    """One caller's view of every tenant's signals (`signals_read_many`), kept between
+    calls so that a call redoes only the tenants whose signals changed since its last."""
+
+    def __init__(self) -> None:
+        self.out: dict[str, LiveSignals] = {}
+        self.slugs: list[str] | None = None
+        self.figures: tuple[object, ...] | None = None
+        self.position = -1  # how far into the rings' change log this view has applied
+        self.interned: dict[tuple[float, float | None, int, int], LiveSignals] = {}
+        self.reads = 0  # calls answered
+
+    def read(
+        self, slugs: list[str], *, now: float | None = None, fleet: FleetState | None = None
+    ) -> tuple[dict[str, LiveSignals], set[str] | None]:
+        """Every tenant's signals (a new dict each call) and the tenants whose signals may
+        differ from this view's previous answer: None when all may (the first call, other
+        tenants, other pool figures, the cache read afresh)."""
+        with _rings_lock:
+            _rings_refresh(slugs, now)
+            rings = _rings
+            held = fleet.held_elsewhere if fleet is not None else {}
+            figures = (fleet.slots, fleet.in_flight, held) if fleet is not None else (0, 0, held)
+            changed: set[str] | None
+            if self.slugs != slugs or self.figures != figures or self.position < rings.changes_base:
+                self.slugs, self.figures, self.interned = list(slugs), figures, {}
+                todo: Any = slugs
+                changed = None
+            else:
+                changed = set(rings.changes[self.position - rings.changes_base :])
+                changed.intersection_update(self.out)
+                todo = list(changed)
+            self.position = rings.changes_base + len(rings.changes)
+            self.reads += 1
+            if len(self.interned) > 2 * len(slugs) + 1000:
+                self.interned = {}  # means drift: keep the intern table bounded
+            tenants = policy_snapshot().tenants
+            slots, in_flight = figures[0], figures[1]
+            cached = rings.by_slug
+            for slug in todo:
+                ring = cached[slug]
+                tenant = tenants.get(slug)
+                key = (
+                    ring.rate,
+                    ring.mean if ring.rate > 0 else None,
+                    held.get(f"t:{slug}", 0) if held else 0,
+                    held.get(f"s:{tenant.shard}", 0) if held and tenant else 0,
+                )
+                found = self.interned.get(key)
+                if found is None:
+                    found = self.interned[key] = LiveSignals(
+                        rate_per_min=key[0],
+                        mean_seconds=key[1],
+                        pool_slots=slots,
+                        in_flight=in_flight,
+                        held_elsewhere=key[2],
+                        shard_held_elsewhere=key[3],
+                    )
+                if changed is not None and self.out.get(slug) is found:
+                    changed.discard(slug)
+                self.out[slug] = found
+            return dict(self.out), changed
+
+
+def signals_read_many(
+    slugs: list[str], *, now: float | None = None, fleet: FleetState | None = None
+) -> dict[str, LiveSignals]:
+    """Every tenant's (rate, mean), as `LiveSignals` with the pool's figures and slots held
+    elsewhere from `fleet` (none without it) and no shares; tenants with equal signals
+    share one object (fairqueue.jobs.limits_plan computes once per distinct object).
+
+    Reads only what may have moved (see `_rings_refresh`); a caller that asks every tick
+    keeps a `SignalsView`, which also redoes only the tenants that changed."""
+    return SignalsView().read(slugs, now=now, fleet=fleet)[0]
 
 
 def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
@@ -347,6 +477,8 @@ def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
             durations = [(tenant_slug, d) for d in entry.durations]
             entry.durations = []
             entry.means_flushed_at = time.monotonic()
+        else:
+            _unflushed.add(tenant_slug)
     if due:
         pipe = redis_client().pipeline(transaction=False)
         _queue_means(pipe, durations)
@@ -443,6 +575,7 @@ class _Publication:
 
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
     values: dict[str, dict[str, str]] = field(default_factory=dict)
+    caps: dict[str, int] | None = None  # the shard caps of `values`, as numbers
 
 
 _publication = _Publication()
@@ -504,7 +637,10 @@ def shares_publish(
             pipe.expire(key, SHARES_TTL_SECONDS)
     pipe.set(SHARES_MARKER_KEY, _publication.token, ex=SHARES_TTL_SECONDS)
     pipe.execute()
+    if values is _publication.values:
+        return full  # the same figures as this process's last publication (the cache below holds them)
     _publication.values = values
+    _publication.caps = dict(caps)
     with _lock:
         for slug, entry in _tenants.items():
             entry.idle_share = idle.get(slug, 0)
@@ -515,15 +651,21 @@ def shares_publish(
 
 
 def shard_caps_read() -> dict[str, int]:
-    """The shard caps the tick last published (few: only where a shard binds)."""
-    return {str(k): int(v) for k, v in redis_client().hgetall(SHARD_CAPS_KEY).items()}
+    """The shard caps the tick last published: this process's own when it published last
+    (the marker names it, so Redis holds them), else read."""
+    client = redis_client()
+    if _publication.caps is not None and client.get(SHARES_MARKER_KEY) == _publication.token:
+        return _publication.caps
+    return {str(k): int(v) for k, v in client.hgetall(SHARD_CAPS_KEY).items()}
 
 
 def live_invalidate() -> None:
     """Forget cached signals (tests; a changed policy)."""
-    global _fleet, _publication
+    global _fleet, _publication, _rings
     with _lock:
         _tenants.clear()
-        _rings.clear()
+        _unflushed.clear()
+    with _rings_lock:
+        _rings = _Rings(changes_base=_rings.changes_base + len(_rings.changes) + 1)
     _fleet = FleetState()
     _publication = _Publication()
