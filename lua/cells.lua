@@ -13,10 +13,16 @@
 --   "park" job score cell            the job is also in `cell`, if it is in some cell now
 --   "del" job                        the job is in no cell (it left the waiting state)
 --   "unpark" job                     the job leaves its cells named "p|..."
+-- Every call that changes the summary bumps prefix.."version"; a version created afresh
+-- (a new or flushed server, a rebuild) gets a new prefix.."epoch" (the server's clock, in
+-- microseconds), so a reader that cached the summary at (epoch, version) never mistakes a
+-- restarted count for the one it read (dashboard.snapshot reads the summary only when
+-- the pair moved).
 -- Returns the number of operations applied.
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
+local changed = false
 
 local function refresh(cell)
   local z = prefix .. 'z:' .. cell
@@ -27,6 +33,7 @@ local function refresh(cell)
     local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
     redis.call('HSET', summary, cell, n .. ' ' .. first[2])
   end
+  changed = true
 end
 
 local function leave(job, cells, keep)
@@ -83,5 +90,9 @@ while i <= #ARGV do
     return redis.error_reply('cells: unknown operation ' .. tostring(op))
   end
   applied = applied + 1
+end
+if changed and redis.call('INCR', prefix .. 'version') == 1 then
+  local now = redis.call('TIME')
+  redis.call('SET', prefix .. 'epoch', now[1] .. string.format('%06d', tonumber(now[2])))
 end
 return applied

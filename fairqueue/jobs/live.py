@@ -75,6 +75,9 @@ FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of
 SHARD_CAPS_KEY = "fq:{limits}:shard_cap"  # HASH slug -> cap where its shard binds (tenants.limits.shard_caps)
 TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> "<limit the tick set> <held elsewhere in it>"
 SHARES_MARKER_KEY = "fq:{limits}:published"  # the last publisher's token (see shares_publish)
+# A fresh token each time a publication changes a field of the four hashes (it expires
+# with them): a reader that kept them at one token needs not read them again while it stays.
+SHARES_VERSION_KEY = "fq:{limits}:version"
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
 HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
@@ -242,6 +245,11 @@ class _RingCache:
 
 _rings: dict[str, _RingCache] = {}
 _rings_epoch: str | None = None
+# signals_read_many's answers, by value: tenants with equal signals share one object, in one
+# call and from one call to the next while they stay equal (a reader of consecutive answers,
+# like the dashboard's snapshot, finds a tenant's signals unchanged by identity).
+_interned: dict[tuple[float, float | None, int, int, int, int], LiveSignals] = {}
+INTERNED_PER_TENANT = 4  # past this many per tenant read, the interned objects are dropped
 
 
 def signals_read_many(
@@ -249,8 +257,9 @@ def signals_read_many(
 ) -> dict[str, LiveSignals]:
     """Every tenant's (rate, mean) for the duty tick, in one pipelined round trip, as
     `LiveSignals` with the pool's figures and slots held elsewhere from `fleet` (none
-    without it) and no shares; tenants with equal signals share one object
-    (fairqueue.jobs.limits_plan computes once per distinct object).
+    without it) and no shares; tenants with equal signals share one object, the same
+    from one call to the next while they stay equal (fairqueue.jobs.limits_plan computes
+    once per distinct object).
 
     The rate reads only completed ring buckets, which never change once complete, so a
     ring is read again only when its current bucket moved on; the mean (which every
@@ -258,7 +267,7 @@ def signals_read_many(
     the formula's base is the floor whatever the mean. Counts and durations this process
     holds ride along, as in `tenant_signals_read`.
     """
-    global _rings_epoch
+    global _rings_epoch, _interned
     window = _window()
     now = time.time() if now is None else now
     current = int(now // _bucket_seconds(window))
@@ -305,7 +314,9 @@ def signals_read_many(
     tenants = policy_snapshot().tenants
     held = fleet.held_elsewhere if fleet is not None else {}
     slots, in_flight = (fleet.slots, fleet.in_flight) if fleet is not None else (0, 0)
-    interned: dict[tuple[float, float | None, int, int], LiveSignals] = {}
+    if len(_interned) > INTERNED_PER_TENANT * len(slugs) + 1000:
+        _interned = {}
+    interned = _interned
     out: dict[str, LiveSignals] = {}
     for slug in slugs:
         cached = _rings[slug]
@@ -315,6 +326,8 @@ def signals_read_many(
             cached.mean if cached.rate > 0 else None,
             held.get(f"t:{slug}", 0) if held else 0,
             held.get(f"s:{tenant.shard}", 0) if held and tenant else 0,
+            slots,
+            in_flight,
         )
         found = interned.get(key)
         if found is None:
@@ -489,6 +502,7 @@ def shares_publish(
             TICK_LIMITS_KEY: {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()},
         }
     pipe = client.pipeline(transaction=True)
+    written = False
     for key, new in values.items():
         if not (same and not full):
             old = {} if full else _publication.values.get(key, {})
@@ -500,8 +514,13 @@ def shares_publish(
             changed = {k: v for k, v in new.items() if old.get(k) != v}
             if changed:
                 pipe.hset(key, mapping=dict[Any, Any](changed))
+            written = written or full or bool(gone) or bool(changed)
         if new:
             pipe.expire(key, SHARES_TTL_SECONDS)
+    if written:
+        pipe.set(SHARES_VERSION_KEY, uuid.uuid4().hex, ex=SHARES_TTL_SECONDS)
+    else:
+        pipe.expire(SHARES_VERSION_KEY, SHARES_TTL_SECONDS)
     pipe.set(SHARES_MARKER_KEY, _publication.token, ex=SHARES_TTL_SECONDS)
     pipe.execute()
     _publication.values = values
