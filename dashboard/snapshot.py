@@ -143,6 +143,14 @@ _kept = _Kept()
 _kept_lock = threading.Lock()  # builds from several threads (the collector, the websocket) take turns
 
 
+def snapshot_forget() -> None:
+    """Drop what this process kept from earlier builds: the next one reads and makes
+    everything (tests compare it with a build that kept)."""
+    global _kept, _roster
+    with _kept_lock:
+        _kept, _roster = _Kept(), None
+
+
 def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[str, Any]:
     """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history.
     The answer shares objects with the builds before and after it: read it, do not change it."""

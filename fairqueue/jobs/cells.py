@@ -219,8 +219,6 @@ class CellsView:
 
 
 _EMPTY = Cell(0, None)
-# Past this share of fields changed, parsing everything afresh is as cheap as the changes.
-REPARSE_SHARE = 0.25
 
 
 def _cell(value: str) -> Cell:
@@ -237,11 +235,8 @@ def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> Cells
     `previous`'s own objects (a reader may compare them by identity). `previous` itself is
     left as it was."""
     if previous is not None and previous.raw:
-        old = previous.raw
-        changed = raw.items() - old.items()  # (name, value) pairs new or different
-        gone = old.keys() - raw.keys()
-        if len(changed) + len(gone) <= len(raw) * REPARSE_SHARE:
-            return _cells_update(previous, raw, changed, gone)
+        changed = raw.items() - previous.raw.items()  # (name, value) pairs new or different
+        return _cells_update(previous, raw, changed, previous.raw.keys() - raw.keys())
     out: dict[str, Cell] = {}
     tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
     for name, value in raw.items():
