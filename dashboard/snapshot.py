@@ -1,19 +1,25 @@
 """One picture of the live state: pool, tenants and the shard x latency-class grid.
 
 `snapshot_build()` is what the dashboard shows and what `/metrics` exports. Per call it
-costs no database query and three Redis round trips, and reads nothing per waiting job:
+costs no database query and a few Redis round trips, and reads nothing per waiting job:
 
 - every tenant's submission rate and mean duration (`live.signals_read_many`: a ring is
   read again only once its bucket completes, a mean only for a tenant with a rate);
 - the worker registry (`fleet_read`);
-- one pipeline: every shard's engine holder counts (HMGET), the cells' summary
-  (fairqueue.jobs.cells: every (shard, class) and (tenant, class) cell's waiting count and
-  oldest job, kept as jobs move, one HGETALL; a job waits from when it became due,
-  `due_at` for a delayed or retried job, else `submitted_at`), the tick's shares and
-  limits; then each
-  cell's history list (pushed to when `record=True`, then read). Jobs in the batch lane
-  (batch, not promoted) are shown as their own class `batch`, measured against the pool's
-  batch objective, so hours-long batch waits never colour an interactive cell.
+- one pipeline: every shard's engine holder counts (HMGET) and the version of the tick's
+  shares and limits; those (three HGETALLs) only when their version moved;
+- the cells (fairqueue.jobs.cells `cells_refresh`: every (shard, class) and (tenant,
+  class) cell's waiting count and oldest job, kept as jobs move; only the cells changed
+  since the last build are read, by the summary's version and changes log; a job waits
+  from when it became due, `due_at` for a delayed or retried job, else `submitted_at`);
+- each cell's history list (pushed to when `record=True`, then read). Jobs in the batch
+  lane (batch, not promoted) are shown as their own class `batch`, measured against the
+  pool's batch objective, so hours-long batch waits never colour an interactive cell.
+
+What the last build read and made is kept in the process (dashboard.tenant_rows: a tenant's
+row is made again only when one of its inputs changed); every build still reads every
+version and every holder count, so a change made anywhere shows in the next build. The
+answer shares objects with the builds before and after it: read it, do not change it.
 
 JSON shape (all numbers plain; ages and durations in seconds)::
 
@@ -133,7 +139,6 @@ class _Kept:
     every build still reads the state's versions and every engine holder count, so a
     change made by any process shows in the next build)."""
 
-    cells_version: list[Any] | None = None  # (epoch, version) the view was read at
     view: cells.CellsView | None = None
     limits_version: str | None = None  # the tick's publication the three hashes were read at
     limits_raw: LimitsRaw = ({}, {}, {})
@@ -176,7 +181,6 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
     for shard in shards:
         names = count_names[shard]
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
-    pipe.mget(cells.EPOCH_KEY, cells.VERSION_KEY)  # the cells' summary as of when
     pipe.get(live.SHARES_VERSION_KEY)  # the tick's shares and limits as of when
     results = iter(pipe.execute())
     holders: dict[str, int] = {}
@@ -186,31 +190,19 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         batch_in_flight += counts[BATCH_KEY]
         in_flight += max(0, counts[SHARD_KEY] - counts[BATCH_KEY])
         holders.update({k: v for k, v in counts.items() if k not in (SHARD_KEY, BATCH_KEY)})
-    cells_version: list[Any] = next(results)
     limits_version: str | None = next(results)
-    # A missing version (nothing written since the server started, or expired) is never
-    # taken as unchanged.
-    read_cells = kept.view is None or None in cells_version or cells_version != kept.cells_version
-    read_limits = limits_version is None or limits_version != kept.limits_version
-    if read_cells or read_limits:
+    # A missing version (nothing published, or expired) is never taken as unchanged.
+    if limits_version is None or limits_version != kept.limits_version:
         pipe = client.pipeline(transaction=False)
-        if read_cells:
-            pipe.hgetall(cells.SUMMARY_KEY)  # every cell's waiting count and oldest job
-        if read_limits:
-            pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
-            pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
-            pipe.hgetall(live.TICK_LIMITS_KEY)  # and the limit the tick set
-        results = iter(pipe.execute())
-        if read_cells:
-            # Read after its version: at least as new as the version it is kept under.
-            kept.view = cells.cells_parse(next(results) or {}, kept.view)
-            kept.cells_version = cells_version
-        if read_limits:
-            # Kept as read: parsed only for the tenants whose limit is computed (the memo below).
-            kept.limits_raw = (next(results) or {}, next(results) or {}, next(results) or {})
-            kept.limits_version = limits_version
-    view = kept.view
-    assert view is not None  # read above when none was kept
+        pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
+        pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
+        pipe.hgetall(live.TICK_LIMITS_KEY)  # and the limit the tick set
+        # Read after their version: at least as new as the version they are kept under;
+        # kept as read (the rows parse a figure only for a limit they compute).
+        shares, fair, ticked = pipe.execute()
+        kept.limits_raw, kept.limits_version = (shares or {}, fair or {}, ticked or {}), limits_version
+    # Every cell's waiting count and oldest job, read as far as they changed since the last build.
+    view = kept.view = cells.cells_refresh(kept.view)
 
     def age(ts: float | None) -> float | None:
         return None if ts is None else round(max(0.0, now - ts), 3)

@@ -114,9 +114,12 @@ class TenantRows:
             changed_held = {k for k, _ in new.holders.items() ^ old.holders.items()}
             dirty.update(i for k in changed_held if (i := key_index_get(k)) is not None)
         if new.view is not old.view:
-            for kind in ("t", "p"):
-                changed_cells = _changed_keys(new.view.of_tenants(kind), old.view.of_tenants(kind))
-                dirty.update(i for s in changed_cells if (i := index_get(s)) is not None)
+            if new.view.based_on == old.view.serial and new.view.changed is not None:
+                dirty.update(i for _, s in new.view.changed if (i := index_get(s)) is not None)
+            else:
+                for kind in ("t", "p"):
+                    changed_cells = _changed_keys(new.view.of_tenants(kind), old.view.of_tenants(kind))
+                    dirty.update(i for s in changed_cells if (i := index_get(s)) is not None)
         if new.pool != old.pool:
             # Every limit depends on the pool: each distinct one is computed again, and the
             # rows whose figures it moved are remade.

@@ -13,16 +13,21 @@
 --   "park" job score cell            the job is also in `cell`, if it is in some cell now
 --   "del" job                        the job is in no cell (it left the waiting state)
 --   "unpark" job                     the job leaves its cells named "p|..."
--- Every call that changes the summary bumps prefix.."version"; a version created afresh
--- (a new or flushed server, a rebuild) gets a new prefix.."epoch" (the server's clock, in
--- microseconds), so a reader that cached the summary at (epoch, version) never mistakes a
--- restarted count for the one it read (dashboard.snapshot reads the summary only when
--- the pair moved).
+-- Every call that changes the summary bumps prefix.."version" and scores the cells it
+-- changed with the new version in prefix.."changes" (a sorted set: one member per cell,
+-- its last change), so a reader that kept the summary at a version reads only the cells
+-- changed since (fairqueue.jobs.cells.cells_refresh). A version created afresh (a new or
+-- flushed server, a rebuild) gets a new prefix.."epoch" (the server's clock, in
+-- microseconds): a reader never mistakes a restarted count for the one it kept. Past
+-- CHANGES_KEPT cells the oldest leave the log; prefix.."trimmed" is then the newest version
+-- that left it (a reader that kept an older one reads everything).
 -- Returns the number of operations applied.
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
-local changed = false
+local CHANGES_KEPT = 200000
+local ZADD_CHUNK = 500
+local changed, changed_list = {}, {}
 
 local function refresh(cell)
   local z = prefix .. 'z:' .. cell
@@ -33,7 +38,10 @@ local function refresh(cell)
     local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
     redis.call('HSET', summary, cell, n .. ' ' .. first[2])
   end
-  changed = true
+  if not changed[cell] then
+    changed[cell] = true
+    changed_list[#changed_list + 1] = cell
+  end
 end
 
 local function leave(job, cells, keep)
@@ -91,8 +99,26 @@ while i <= #ARGV do
   end
   applied = applied + 1
 end
-if changed and redis.call('INCR', prefix .. 'version') == 1 then
-  local now = redis.call('TIME')
-  redis.call('SET', prefix .. 'epoch', now[1] .. string.format('%06d', tonumber(now[2])))
+if #changed_list > 0 then
+  local version = redis.call('INCR', prefix .. 'version')
+  if version == 1 then
+    local now = redis.call('TIME')
+    redis.call('SET', prefix .. 'epoch', now[1] .. string.format('%06d', tonumber(now[2])))
+  end
+  local changes = prefix .. 'changes'
+  for k = 1, #changed_list, ZADD_CHUNK do
+    local args = {}
+    for j = k, math.min(k + ZADD_CHUNK - 1, #changed_list) do
+      args[#args + 1] = version
+      args[#args + 1] = changed_list[j]
+    end
+    redis.call('ZADD', changes, unpack(args))
+  end
+  local over = redis.call('ZCARD', changes) - CHANGES_KEPT
+  if over > 0 then
+    local last = redis.call('ZRANGE', changes, over - 1, over - 1, 'WITHSCORES')
+    redis.call('ZREMRANGEBYRANK', changes, 0, over - 1)
+    redis.call('SET', prefix .. 'trimmed', last[2])
+  end
 end
 return applied

@@ -241,3 +241,29 @@ class CellsVersionTests(CellsTestCase):
                         self.assertIs(old, classes)
             self.assertEqual(before.cells, cells.cells_parse(before.raw).cells)
             before = kept
+
+    def test_a_refresh_reads_the_cells_changed_since_a_kept_view(self) -> None:
+        jobs = self.submit(3) + self.submit(2, tenant=self.other, latency_class="critical")
+        view = cells.cells_refresh()
+        self.assertIs(cells.cells_refresh(view), view)  # nothing changed: the same view
+        steps = [
+            lambda: cells.jobs_leave([str(jobs[0].id)]),
+            lambda: cells.jobs_unpark([str(jobs[1].id), str(jobs[4].id)]),
+            lambda: cells.jobs_leave([str(j.id) for j in jobs[3:]]),
+            lambda: self.submit(2, tenant=self.other, latency_class="low"),
+        ]
+        for step in steps:
+            step()
+            refreshed, fresh = cells.cells_refresh(view), cells.cells_read()
+            self.assertEqual(refreshed.cells, fresh.cells)
+            self.assertEqual(refreshed.tenants, fresh.tenants)
+            self.assertEqual(refreshed.based_on, view.serial)  # from the changes log, not a full read
+            view = refreshed
+        # The log lost changes older than the kept view (trimmed): everything is read again.
+        cells.jobs_leave([str(jobs[2].id)])
+        version = self.redis.get(cells.VERSION_KEY)
+        self.redis.delete(cells.CHANGES_KEY)
+        self.redis.set(cells.TRIMMED_KEY, version)  # type: ignore[arg-type]
+        refreshed = cells.cells_refresh(view)
+        self.assertEqual(refreshed.cells, cells.cells_read().cells)
+        self.assertEqual(refreshed.tenants, cells.cells_read().tenants)
