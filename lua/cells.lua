@@ -19,14 +19,15 @@
 -- changed since (fairqueue.jobs.cells.cells_refresh). A version created afresh (a new or
 -- flushed server, a rebuild) gets a new prefix.."epoch" (the server's clock, in
 -- microseconds): a reader never mistakes a restarted count for the one it kept. Past
--- CHANGES_KEPT cells the oldest leave the log; prefix.."trimmed" is then the newest version
--- that left it (a reader that kept an older one reads everything).
+-- CHANGES_KEPT cells (checked every TRIM_EVERY versions) the oldest leave the log;
+-- prefix.."trimmed" is then the newest version that left it (a reader that kept an older
+-- one reads everything).
 -- Returns the number of operations applied.
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
 local CHANGES_KEPT = 200000
-local ZADD_CHUNK = 500
+local TRIM_EVERY = 1000
 local changed, changed_list = {}, {}
 
 local function refresh(cell)
@@ -106,15 +107,12 @@ if #changed_list > 0 then
     redis.call('SET', prefix .. 'epoch', now[1] .. string.format('%06d', tonumber(now[2])))
   end
   local changes = prefix .. 'changes'
-  for k = 1, #changed_list, ZADD_CHUNK do
-    local args = {}
-    for j = k, math.min(k + ZADD_CHUNK - 1, #changed_list) do
-      args[#args + 1] = version
-      args[#args + 1] = changed_list[j]
-    end
-    redis.call('ZADD', changes, unpack(args))
+  for k = 1, #changed_list do
+    redis.call('ZADD', changes, version, changed_list[k])
   end
-  local over = redis.call('ZCARD', changes) - CHANGES_KEPT
+  -- Its size is checked once in TRIM_EVERY calls (each call's cost counts: a claim is one).
+  local over = 0
+  if version % TRIM_EVERY == 0 then over = redis.call('ZCARD', changes) - CHANGES_KEPT end
   if over > 0 then
     local last = redis.call('ZRANGE', changes, over - 1, over - 1, 'WITHSCORES')
     redis.call('ZREMRANGEBYRANK', changes, 0, over - 1)
