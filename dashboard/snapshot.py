@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -140,6 +140,10 @@ class _Kept:
     change made by any process shows in the next build)."""
 
     view: cells.CellsView | None = None
+    count_names: dict[str, list[str]] | None = None  # the roster's fields the holders were read for
+    held_raw: dict[str, list[str | None]] = field(default_factory=dict)  # shard -> its reply, as read
+    shard_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # shard -> (its key's, its batch key's)
+    holders: dict[str, int] = field(default_factory=dict)  # tenant engine key -> held
     limits_version: str | None = None  # the tick's publication the three hashes were read at
     limits_raw: LimitsRaw = ({}, {}, {})
 
@@ -183,13 +187,26 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
     pipe.get(live.SHARES_VERSION_KEY)  # the tick's shares and limits as of when
     results = iter(pipe.execute())
-    holders: dict[str, int] = {}
+    if kept.count_names is not count_names:
+        kept.count_names, kept.held_raw, kept.shard_held, kept.holders = count_names, {}, {}, {}
+    # A shard's counts are converted only when its reply differs from the last build's; the
+    # holders' dict is the last build's own while none did (the rows compare it by identity).
+    held_raw = kept.held_raw
+    changed = [(shard, raw) for shard in shards if held_raw.get(shard) != (raw := next(results))]
+    if changed:
+        holders = dict(kept.holders)
+        for shard, raw in changed:
+            # The fields read: the shard's key, its batch key, then its tenants' keys.
+            holders.update(zip(count_names[shard][2:], [int(v) if v else 0 for v in raw[2:]], strict=True))
+            kept.shard_held[shard] = (int(raw[0] or 0), int(raw[1] or 0))
+            held_raw[shard] = raw
+        kept.holders = holders
+    holders = kept.holders
     in_flight = batch_in_flight = 0
     for shard in shards:
-        counts = dict(zip(count_names[shard], (int(v or 0) for v in next(results)), strict=True))
-        batch_in_flight += counts[BATCH_KEY]
-        in_flight += max(0, counts[SHARD_KEY] - counts[BATCH_KEY])
-        holders.update({k: v for k, v in counts.items() if k not in (SHARD_KEY, BATCH_KEY)})
+        shard_held, batch_held = kept.shard_held[shard]
+        batch_in_flight += batch_held
+        in_flight += max(0, shard_held - batch_held)
     limits_version: str | None = next(results)
     # A missing version (nothing published, or expired) is never taken as unchanged.
     if limits_version is None or limits_version != kept.limits_version:

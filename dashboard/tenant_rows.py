@@ -110,7 +110,7 @@ class TenantRows:
                 if now_raw != then_raw:
                     changed = {k for k, _ in now_raw.items() ^ then_raw.items()}
                     dirty.update(i for s in changed if (i := index_get(s)) is not None)
-        if new.holders != old.holders:
+        if new.holders is not old.holders and new.holders != old.holders:
             changed_held = {k for k, _ in new.holders.items() ^ old.holders.items()}
             dirty.update(i for k in changed_held if (i := key_index_get(k)) is not None)
         if new.view is not old.view:
