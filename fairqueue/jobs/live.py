@@ -289,9 +289,13 @@ def signals_read_many(
                 durations += [(slug, d) for d in entry.durations]
                 entry.durations = []
                 entry.means_flushed_at = time.monotonic()
-    stale = [s for s in slugs if (c := _rings.get(s)) is None or c.bucket != current]
-    stale_set = set(stale)
-    with_rate = [s for s in slugs if s in stale_set or _rings[s].rate > 0]
+    rings_get = _rings.get
+    stale = [s for s in slugs if (c := rings_get(s)) is None or c.bucket != current]
+    if stale:
+        stale_set = set(stale)
+        with_rate = [s for s in slugs if s in stale_set or _rings[s].rate > 0]
+    else:
+        with_rate = [s for s in slugs if _rings[s].rate > 0]
     pipe = redis_client().pipeline(transaction=False)
     _queue_means(pipe, durations)
     for slug, count in pending.items():
@@ -320,15 +324,14 @@ def signals_read_many(
     out: dict[str, LiveSignals] = {}
     for slug in slugs:
         cached = _rings[slug]
-        tenant = tenants.get(slug)
-        key = (
-            cached.rate,
-            cached.mean if cached.rate > 0 else None,
-            held.get(f"t:{slug}", 0) if held else 0,
-            held.get(f"s:{tenant.shard}", 0) if held and tenant else 0,
-            slots,
-            in_flight,
-        )
+        rate = cached.rate
+        if held:
+            tenant = tenants.get(slug)
+            held_here = held.get(f"t:{slug}", 0)
+            shard_held_here = held.get(f"s:{tenant.shard}", 0) if tenant else 0
+        else:  # the usual case (no move under way): nothing held elsewhere
+            held_here = shard_held_here = 0
+        key = (rate, cached.mean if rate > 0 else None, held_here, shard_held_here, slots, in_flight)
         found = interned.get(key)
         if found is None:
             found = interned[key] = LiveSignals(
