@@ -92,8 +92,10 @@ class TenantRows:
         for kept in self.rows:
             assert kept is not None  # every row is made on the first build
             row = kept.row.copy()
-            if kept.oldest_ts is not None:
-                row["oldest_wait_s"] = round(max(0.0, now - kept.oldest_ts), 3)
+            oldest_ts = kept.oldest_ts
+            if oldest_ts is not None:
+                age = now - oldest_ts
+                row["oldest_wait_s"] = round(age, 3) if age > 0.0 else 0.0
             append(row)
         return out
 
