@@ -161,8 +161,9 @@ def shard_caps(
     weight: dict[str, float],
     floor: dict[str, int],
     recent: dict[str, float] | None = None,
+    idle: set[str] | None = None,
 ) -> dict[str, int]:
-    """Caps for the tenants of one shard whose capacity binds.
+    """Caps for the tenants of one shard whose capacity binds, or may bind.
 
     `held` maps each tenant of the shard to the slots of its own key (its running jobs and
     those queued at the shard key), `wanting` names those that want more than they hold
@@ -180,9 +181,12 @@ def shard_caps(
     room: it may take every free slot not kept, but queues no more of its jobs at the shard
     key than the shard can start. The wanting tenants' shares are whole slots that add up
     to the whole part of theirs (largest remainders), so a fraction of a kept slot is not
-    handed to them by rounding up.
+    handed to them by rounding up. An `idle` tenant (it holds nothing and held nothing of
+    late) is capped at max(its floor, the room a wanting tenant would share), so that its
+    first burst takes the free room and not the room kept for its shard-mates: it would
+    otherwise fill the whole shard before the next tick could cap it.
     """
-    if not wanting:
+    if not wanting and not idle:
         return {}
     recent = recent or {}
     unbounded = float(capacity)  # a wanting tenant's demand: more than the whole shard can give
@@ -193,9 +197,12 @@ def shard_caps(
     capped = [slug for slug in sorted(wanting) if slug in held]
     kept = sum(max(0.0, min(recent.get(slug, 0.0), share[slug]) - held[slug]) for slug in held if slug not in wanting)
     room = capacity - holders - waiting - math.floor(kept + 0.5)
-    part = math.ceil(room / len(capped)) if room > 0 else math.floor(room / len(capped))
-    whole = _whole_shares({slug: share[slug] for slug in capped})
-    return {slug: max(whole[slug], floor.get(slug, 0), held[slug] + part) for slug in capped}
+    caps = {slug: max(floor.get(slug, 0), room) for slug in sorted(idle or ()) if slug in held and slug not in wanting}
+    if capped:
+        part = math.ceil(room / len(capped)) if room > 0 else math.floor(room / len(capped))
+        whole = _whole_shares({slug: share[slug] for slug in capped})
+        caps.update({slug: max(whole[slug], floor.get(slug, 0), held[slug] + part) for slug in capped})
+    return caps
 
 
 def _whole_shares(shares: dict[str, float]) -> dict[str, int]:

@@ -200,6 +200,17 @@ class ShardCapTests(SimpleTestCase):
             self.caps(holders=8, waiting=0, held={"flood": 6, "mate": 2}, recent={"mate": 1.0}), {"flood": 6}
         )
 
+    def test_an_idle_tenant_bursts_into_the_free_room_not_the_room_kept(self) -> None:
+        # Two mates run 2 jobs and held 3.5 of late between them; flood holds nothing and
+        # has not run lately: its first burst may take 8 - 2 - round(1.5) = 4 slots at once,
+        # not the whole shard, leaving the mates' usual room free.
+        held = {"flood": 0, "a": 1, "b": 1}
+        caps = self.caps(holders=2, waiting=0, held=held, wanting=set(), idle={"flood"}, recent={"a": 2.0, "b": 1.5})
+        self.assertEqual(caps, {"flood": 4})
+        # Never below its floor, whatever the shard holds.
+        full = self.caps(holders=8, waiting=3, held={"flood": 0, "a": 8}, wanting=set(), idle={"flood"})
+        self.assertEqual(full, {"flood": 2})
+
     def test_wanting_tenants_shares_are_whole_slots_that_add_up(self) -> None:
         held = {"x": 4, "y": 4}
         caps = self.caps(capacity=7, holders=7, waiting=1, held=held, wanting={"x", "y"}, recent={})

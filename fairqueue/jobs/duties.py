@@ -436,15 +436,26 @@ def _shard_caps(
 ) -> dict[str, int]:
     """Caps for tenants that want more than their fair share of a shard whose capacity
     binds (tenants.limits.shard_caps). A tenant wants more when it holds as much as its key
-    allows now: its formula, or the cap it was given last tick."""
+    allows now: its formula, or the cap it was given last tick. An idle tenant whose
+    formula would let a burst take more than the shard's room less what its shard-mates
+    held of late is capped too (its first burst would fill the shard before a tick)."""
     caps: dict[str, int] = {}
     for shard_name, shard in policy.shards.items():
         members = [policy.tenants[slug] for slug in members_of[shard_name]]
         capacity = max(0, shard.capacity - fleet.held_elsewhere.get(f"s:{shard_name}", 0))
         wanting = {tp.slug for tp in members if held[tp.slug] >= _key_limit(formulas[tp.slug], previous.get(tp.slug))}
-        if not wanting:
-            continue
         holders = shard_held[shard_name]
+        # At most the room an idle tenant would be capped at (what is kept is at most what
+        # was held of late; waiters only exist at a full shard, where it is negative anyway):
+        # an idle tenant whose formula is within it needs no cap, the common case.
+        room_bound = capacity - holders - math.floor(sum(recent.get(tp.slug, 0.0) for tp in members) + 0.5)
+        idle = {
+            tp.slug
+            for tp in members
+            if not held[tp.slug] and tp.slug not in recent and formulas[tp.slug] > max(room_bound, tp.floor)
+        }
+        if not wanting and not idle:
+            continue
         # Only a full key can have waiters: the read is needed only then.
         waiting = (
             engine().inspect_key(tag=shard_tag(shard_name), key=SHARD_KEY, holders=False).waiting
@@ -462,6 +473,7 @@ def _shard_caps(
                 weight={tp.slug: float(max(tp.floor, 1)) for tp in members},
                 floor={tp.slug: tp.floor for tp in members},
                 recent={tp.slug: recent.get(tp.slug, 0.0) for tp in members},
+                idle=idle,
             )
         )
     return caps
