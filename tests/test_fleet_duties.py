@@ -95,6 +95,23 @@ class LeaseTests(RedisTestCase):
         self.assertGreater(follower.epoch, 0)
         self.assertFalse(leader.hold())  # fenced out
 
+    def test_a_follower_checks_a_renewed_lease_with_one_command(self) -> None:
+        leader, follower = DutyLease("leader"), DutyLease("follower")
+        self.assertTrue(leader.hold())
+        self.assertFalse(follower.hold())
+        self.redis.config_resetstat()
+        leader_holds = 0
+        deadline = time.monotonic() + 2 * LEASE_MS / 1000 + 1
+        while time.monotonic() < deadline:  # past the first lease: the follower looks again
+            self.assertTrue(leader.hold())
+            leader_holds += 1
+            self.assertFalse(follower.hold())
+            time.sleep(0.25)
+        calls = {k: v["calls"] for k, v in self.redis.info("commandstats").items()}
+        self.assertEqual(calls.get("cmdstat_eval"), leader_holds, "only the leader ran the script")
+        self.assertGreaterEqual(calls.get("cmdstat_pttl", 0), 1, calls)
+        self.assertEqual(duty_leader(), "leader")
+
 
 class RegistryTests(RedisTestCase):
     def test_a_worker_silent_for_long_is_forgotten_everywhere(self) -> None:

@@ -52,17 +52,28 @@ class DutyLease:
 
     def hold(self) -> bool:
         """Take or extend the lease (one round trip; none while another's lease is known
-        to run on); True while this process holds it."""
+        to run on); True while this process holds it. A follower whose quiet period ended
+        asks the lease's remaining time first (one command, where the script runs three):
+        most of the time the leader has renewed it, and the follower goes quiet again."""
         now = time.monotonic()
         if now < self._quiet_until:
             self.epoch = 0
             return False
+        client = redis_client()
         try:
-            reply = int(redis_client().eval(_HOLD, 2, LEADER_KEY, EPOCH_KEY, self.token, LEASE_MS))
+            if self._quiet_until:  # it followed last time: the lease was another's
+                left = int(client.pttl(LEADER_KEY))
+                if left > 0:
+                    self._quiet_until = now + left / 1000
+                    self.epoch = 0
+                    return False
+            reply = int(client.eval(_HOLD, 2, LEADER_KEY, EPOCH_KEY, self.token, LEASE_MS))
         except redis.RedisError:
             reply = 0  # cannot tell: do nothing this tick rather than duplicate the work
         if reply < 0:
             self._quiet_until = now - reply / 1000
+        elif reply > 0:
+            self._quiet_until = 0.0
         self.epoch = max(reply, 0)
         return reply > 0
 
