@@ -56,6 +56,10 @@ API_SKIPPED_MIDDLEWARE = frozenset(
     }
 )
 
+# Hook-style middleware that is no MiddlewareMixin but whose __call__ only runs its hooks
+# (OpenTelemetry's, which tracing adds to MIDDLEWARE when it is on).
+HOOK_STYLE_MIDDLEWARE = frozenset({"opentelemetry.instrumentation.django.middleware.otel_middleware._DjangoMiddleware"})
+
 # Set for the duration of a request that came through ApiASGIHandler.
 _in_api_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("fairqueue_api_handler", default=False)
 _pool_lock = threading.Lock()
@@ -92,14 +96,14 @@ def in_api_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awai
 
 
 class _InlineHooks:
-    """A hook-style middleware (MiddlewareMixin) with its process_request and
+    """A hook-style middleware (MiddlewareMixin's shape) with its process_request and
     process_response called on the event loop: MiddlewareMixin's own async path hands each
     hook to a thread. Only for middleware whose hooks do no I/O."""
 
     async_capable = True
     sync_capable = False
 
-    def __init__(self, middleware: MiddlewareMixin, get_response: Callable[[HttpRequest], Awaitable[Any]]) -> None:
+    def __init__(self, middleware: Any, get_response: Callable[[HttpRequest], Awaitable[Any]]) -> None:
         self.middleware = middleware
         self.get_response = get_response
         markcoroutinefunction(self)  # so that Django's adapters see an async middleware
@@ -136,10 +140,16 @@ class ApiASGIHandler(ASGIHandler):
         self._view_middleware: list[Any] = []
         self._template_response_middleware: list[Any] = []
         self._exception_middleware: list[Any] = []
-        handler = convert_exception_to_response(self._get_response_async)
+        handler: Any = convert_exception_to_response(self._get_response_async)  # type: ignore[attr-defined]
         for path in reversed(api_middleware()):
             factory = import_string(path)
-            if not (isinstance(factory, type) and issubclass(factory, MiddlewareMixin)):
+            # A MiddlewareMixin subclass with its own __call__ does more than its hooks.
+            hook_style = path in HOOK_STYLE_MIDDLEWARE or (
+                isinstance(factory, type)
+                and issubclass(factory, MiddlewareMixin)
+                and factory.__call__ is MiddlewareMixin.__call__
+            )
+            if not hook_style:
                 raise ImproperlyConfigured(
                     f"{path}: /api/ requests run only hook-style middleware (MiddlewareMixin) inline; "
                     "add it to fairqueue.apiserver.API_SKIPPED_MIDDLEWARE or make it one"
