@@ -24,7 +24,9 @@ sees and rolls back what a view wrote.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import functools
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -91,7 +93,12 @@ def in_api_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awai
     the API's thread pool under ApiASGIHandler, else in the caller's thread-sensitive
     thread as Django would. Context variables (the request's trace span) go along."""
     if _in_api_handler.get():
-        return sync_to_async(_with_connections, thread_sensitive=False, executor=_api_pool())(fn, *args, **kwargs)
+        # Plain run_in_executor (not asgiref's SyncToAsync, which also re-homes its Local
+        # storage and shields the call): Django's connections are plain thread-locals, and
+        # context variables are carried by running the call in a copy of this context.
+        context = contextvars.copy_context()
+        call = functools.partial(context.run, _with_connections, fn, *args, **kwargs)
+        return asyncio.get_running_loop().run_in_executor(_api_pool(), call)
     return sync_to_async(fn)(*args, **kwargs)
 
 
