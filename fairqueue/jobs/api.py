@@ -27,7 +27,7 @@ from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
-from tenants.authentication import tenant_authenticate_cached
+from tenants.authentication import tenant_authenticate_cached, tenant_authenticate_nowait
 from tenants.models import Tenant
 from webhooks.selectors import job_webhooks
 
@@ -87,21 +87,28 @@ def _check_string(text: str) -> None:
         raise JobError(400, "invalid_json", "Strings may not contain NUL (\\u0000) or unpaired surrogates.")
 
 
-def _tenant_of_key(token: str) -> Tenant | None:
-    tenant = tenant_authenticate_cached(raw_key=token)
+def _active(tenant: Tenant | None) -> Tenant | None:
     if tenant is not None and not tenant.active:
         raise JobError(403, "tenant_inactive", "This tenant is deactivated.")
     return tenant
+
+
+def _tenant_of_key(token: str) -> Tenant | None:
+    return _active(tenant_authenticate_cached(raw_key=token))
 
 
 class TenantKeyAuth(HttpBearer):
     """Bearer API key -> the Tenant (cached per process: a rotated key or a deactivated tenant
     stops working within a second); an inactive tenant is refused with 403.
 
-    Async, like every view of this API: the lookup (a Redis read now and then, the database
-    on a cache miss) runs off the event loop (fairqueue/apiserver.py)."""
+    Async, like every view of this API: answered on the event loop when the cache alone
+    answers, else the lookup (a Redis read now and then, the database on a cache miss) runs
+    off the loop (fairqueue/apiserver.py)."""
 
     async def authenticate(self, request: HttpRequest, token: str) -> Tenant | None:  # type: ignore[override]
+        known, tenant = tenant_authenticate_nowait(raw_key=token)
+        if known:
+            return _active(tenant)
         return await in_api_thread(_tenant_of_key, token)
 
 
