@@ -71,6 +71,8 @@ _pool: ThreadPoolExecutor | None = None
 def _api_pool() -> ThreadPoolExecutor:
     # Made on first use, in the serving process (gunicorn forks workers; threads do not survive a fork).
     global _pool
+    if _pool is not None:
+        return _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=settings.FAIRQUEUE["API_THREADS"], thread_name_prefix="fq-api")
