@@ -99,8 +99,8 @@ def in_api_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awai
         # storage and shields the call): Django's connections are plain thread-locals, and
         # context variables are carried by running the call in a copy of this context.
         context = contextvars.copy_context()
-        call = functools.partial(context.run, _with_connections, fn, *args, **kwargs)
-        return asyncio.get_running_loop().run_in_executor(_api_pool(), call)
+        call: Callable[[], T] = functools.partial(_with_connections, fn, *args, **kwargs)
+        return asyncio.get_running_loop().run_in_executor(_api_pool(), context.run, call)
     return sync_to_async(fn)(*args, **kwargs)
 
 
