@@ -1,5 +1,6 @@
-"""ASGI entry point: HTTP through Django (static files too: fairqueue/staticfiles.py),
-websockets through Channels (staff only)."""
+"""ASGI entry point: HTTP through Django (static files too: fairqueue/staticfiles.py; the
+REST API through its own handler, fairqueue/apiserver.py), websockets through Channels
+(staff only)."""
 
 import os
 
@@ -13,10 +14,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from dashboard.routing import websocket_urlpatterns  # noqa: E402
+from fairqueue.apiserver import ApiASGIHandler, HttpRouter  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": HttpRouter(api=ApiASGIHandler(), default=django_asgi_app),
         "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -226,6 +226,9 @@ FAIRQUEUE = {
     "PAYLOAD_THRESHOLD_BYTES": env.int("FAIRQUEUE_PAYLOAD_THRESHOLD_BYTES", default=256 * 1024),
     "PAYLOAD_DIR": env.str("FAIRQUEUE_PAYLOAD_DIR", default=str(BASE_DIR / "var" / "payloads")),
     "MAX_REQUEST_BYTES": env.int("FAIRQUEUE_MAX_REQUEST_BYTES", default=16 * 1024 * 1024),
+    # Threads per web process that run the REST API's database and Redis work
+    # (fairqueue/apiserver.py); keep it below the database pool's size (FAIRQUEUE_DB_POOL_SIZE).
+    "API_THREADS": env.int("FAIRQUEUE_API_THREADS", default=8),
     "POISON_PILL_LIMIT": env.int("FAIRQUEUE_POISON_PILL_LIMIT", default=3),
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import redis
 
 from tenants.models import Tenant
-from tenants.policy import PolicyMarker, policy_marker
+from tenants.policy import PolicyMarker, policy_marker, policy_marker_nowait
 from tenants.selectors import tenant_by_key_prefix
 
 # A backstop for a key-version bump that never reached Redis (it was down at that moment).
@@ -67,6 +67,28 @@ def tenant_authenticate_cached(*, raw_key: str) -> Tenant | None:
                     if len(_entries) >= MAX_ENTRIES:
                         _entries.clear()
                     _entries[prefix] = entry
+    return _tenant_if_key_matches(entry, raw_key)
+
+
+def tenant_authenticate_nowait(*, raw_key: str) -> tuple[bool, Tenant | None]:
+    """(True, what tenant_authenticate_cached would answer) when the cache alone answers
+    (the policy marker needs no Redis read now and this key's entry was cached under it),
+    else (False, None): then ask tenant_authenticate_cached, from a thread. No I/O: for an
+    async view's event loop (fairqueue/apiserver.py). The same freshness rules."""
+    prefix = Tenant.prefix_of(raw_key or "")
+    if prefix is None:
+        return True, None
+    marker = policy_marker_nowait()
+    if marker is None:
+        return False, None
+    with _lock:
+        entry = _entries.get(prefix) if marker == _marker else None
+    if entry is None or time.monotonic() - entry.read_at > MAX_AGE_SECONDS:
+        return False, None
+    return True, _tenant_if_key_matches(entry, raw_key)
+
+
+def _tenant_if_key_matches(entry: _Entry, raw_key: str) -> Tenant | None:
     tenant = entry.tenant
     if tenant is None or not tenant.check_api_key(raw_key):
         return None

@@ -224,6 +224,17 @@ def policy_marker() -> PolicyMarker | None:
     return _invalidations, snapshot.version, snapshot.sync_id, snapshot.auth_version
 
 
+def policy_marker_nowait() -> PolicyMarker | None:
+    """policy_marker() when it needs no Redis read now (the last check is under
+    CHECK_INTERVAL_SECONDS old and Redis confirmed it), else None: for a caller on an event
+    loop, which must not block, and asks policy_marker() from a thread on None."""
+    snapshot = _snapshot
+    now = time.monotonic()
+    if snapshot is None or now - _checked_at >= CHECK_INTERVAL_SECONDS or now - _confirmed_at > MARKER_MAX_AGE_SECONDS:
+        return None
+    return _invalidations, snapshot.version, snapshot.sync_id, snapshot.auth_version
+
+
 def policy_invalidate() -> None:
     """Forget the cached snapshot so the next call reads Redis (tests, after a manual sync)."""
     global _snapshot, _checked_at, _confirmed_at, _invalidations

@@ -1,6 +1,7 @@
 """The submit path's shape: what one submit costs in database statements and Redis
 commands (counted, not timed), and the API-key cache: a rotated key or a deactivated
-tenant stops working within a second, through a real web server process."""
+tenant stops working within a second, through a real web server process, and the
+cache's answer without I/O (the async API's event loop) follows the same rules."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from django.test.utils import CaptureQueriesContext
 
 from fairqueue.bench.stack import GunicornServer
 from fairqueue.jobs.models import Job, JobStatus
-from tenants.authentication import authentication_cache_clear
+from tenants.authentication import authentication_cache_clear, tenant_authenticate_cached, tenant_authenticate_nowait
 from tenants.keys import SYNCED_KEY
-from tenants.policy import policy_invalidate
-from tests.base import RedisTransactionTestCase
+from tenants.policy import CHECK_INTERVAL_SECONDS, policy_invalidate
+from tests.base import RedisTestCase, RedisTransactionTestCase
 from tests.factories import make_tenant
 from tests.workers import LOG_DIR, wait_for, worker_env
 
@@ -165,3 +166,40 @@ class KeyCacheInvalidationTests(RedisTransactionTestCase):
         wait_for(lambda: self.submit(self.key) == 401, timeout=INVALIDATION_DEADLINE_S, message="old key refused")
         self.assertEqual(self.submit(new_key), 202)
         self.assertEqual(redis.Redis.from_url(settings.REDIS_URL).exists(SYNCED_KEY), 1)
+
+
+class KeyCacheWithoutIOTests(RedisTestCase):
+    """tenant_authenticate_nowait (the async API's check on its event loop) answers only
+    what tenant_authenticate_cached would, and only when that needs no Redis or database read."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        policy_invalidate()
+        authentication_cache_clear()
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, self.key = make_tenant("acme")
+
+    def test_the_cache_alone_answers_only_under_a_fresh_marker(self) -> None:
+        self.assertEqual(tenant_authenticate_nowait(raw_key=self.key), (False, None), "nothing cached yet")
+        self.assertEqual(tenant_authenticate_cached(raw_key=self.key), self.tenant)
+        self.assertEqual(tenant_authenticate_nowait(raw_key=self.key), (True, self.tenant))
+        wrong = self.key[:-1] + ("y" if self.key.endswith("x") else "x")  # the same prefix, a wrong secret
+        self.assertEqual(tenant_authenticate_nowait(raw_key=wrong), (True, None))
+        self.assertEqual(tenant_authenticate_nowait(raw_key="not-a-key"), (True, None))
+
+        # A check of Redis is due: the cache does not answer alone until it is made.
+        time.sleep(CHECK_INTERVAL_SECONDS + 0.05)
+        self.assertEqual(tenant_authenticate_nowait(raw_key=self.key), (False, None))
+        self.assertEqual(tenant_authenticate_cached(raw_key=self.key), self.tenant)
+        self.assertEqual(tenant_authenticate_nowait(raw_key=self.key), (True, self.tenant))
+
+        # A rotation moves the key version: once read, the old key's entry is gone.
+        with self.captureOnCommitCallbacks(execute=True):
+            new_key = self.tenant.rotate_api_key()
+            self.tenant.save()
+        policy_invalidate()  # the next check, made now
+        self.assertIsNone(tenant_authenticate_cached(raw_key=self.key))
+        self.assertEqual(tenant_authenticate_nowait(raw_key=self.key), (True, None))
+        self.assertEqual(tenant_authenticate_nowait(raw_key=new_key), (False, None))
+        self.assertEqual(tenant_authenticate_cached(raw_key=new_key), self.tenant)
+        self.assertEqual(tenant_authenticate_nowait(raw_key=new_key), (True, self.tenant))

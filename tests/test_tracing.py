@@ -25,6 +25,8 @@ from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import Job, JobStatus
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.test_jobs_e2e import E2EBase, _tenant
+from tests.test_web_production import request
+from tests.web import web_server
 from tests.workers import WorkerProcess, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,6 +225,35 @@ class TracingEndToEndTests(E2EBase):
         self.assertTrue(job.traceparent, "the job knows the request's trace")
         spans = self.trace_of(job, "fairqueue.admission", "apply_async/fairqueue.run_job")
         self.assertEqual((spans[0].kind, spans[0].parent_id), (SPAN_KIND_SERVER, ""))
+        self.assertConnected(spans)
+
+    def test_a_submit_through_the_production_server_is_traced(self) -> None:
+        # /api/ requests go through the API's own handler (fairqueue/apiserver.py), which
+        # calls the tracing middleware's hooks on the event loop and runs the view's work on
+        # its thread pool: the request's span must still be the admission's parent.
+        _, key = _tenant("served")
+        server = web_server(
+            production=True,
+            processes=1,
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT=self.receiver.endpoint,
+            OTEL_SERVICE_NAME="fairqueue-web",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        )
+        server.start()
+        self.addCleanup(server.stop)
+        status, _, body = request(
+            server.port,
+            "/api/v1/jobs",
+            method="POST",
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            body=json.dumps({"task": "demo.noop", "args": {}}).encode(),
+        )
+        self.assertEqual(status, 202, body)
+        job = Job.objects.get(id=json.loads(body)["id"])
+        self.assertTrue(job.traceparent, "the job knows the request's trace")
+        spans = self.trace_of(job, "fairqueue.admission", "apply_async/fairqueue.run_job")
+        self.assertEqual((spans[0].service, spans[0].kind, spans[0].parent_id), ("fairqueue-web", SPAN_KIND_SERVER, ""))
         self.assertConnected(spans)
 
     def test_a_parked_jobs_trace_shows_its_wait_and_the_release_that_ended_it(self) -> None:

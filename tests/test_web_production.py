@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import tempfile
+from inspect import iscoroutinefunction
 from urllib.parse import urlsplit
 
 from django.core.handlers.asgi import ASGIHandler
@@ -19,6 +20,7 @@ from playwright.sync_api import expect, sync_playwright
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from fairqueue.apiserver import ApiASGIHandler, api_middleware, is_api_path
 from tests.base import RedisTransactionTestCase
 from tests.browser import OUTPUT, chromium_launch, chromium_require
 from tests.factories import make_tenant
@@ -144,8 +146,16 @@ class ProductionServerTests(RedisTransactionTestCase):
         job = json.dumps({"task": "demo.sleep", "args": {"seconds": 5}}).encode()
         auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
         for _ in range(3):  # no worker runs them: one holds acme's only slot, two park
-            status, _, body = request(self.server.port, "/api/v1/jobs", method="POST", headers=auth, body=job)
+            status, headers, body = request(self.server.port, "/api/v1/jobs", method="POST", headers=auth, body=job)
             self.assertEqual(status, 202, body)
+            # The API's own handler (fairqueue/apiserver.py) keeps the security middleware.
+            self.assertEqual(headers.get("x-content-type-options"), "nosniff")
+            self.assertEqual(headers.get("x-frame-options"), "DENY")
+        # ...and checks the Host header like every other page.
+        status, _, body = request(
+            self.server.port, "/api/v1/jobs", method="POST", headers={**auth, "Host": "evil.example"}, body=job
+        )
+        self.assertEqual(status, 400, body)
         # New connections until each process has served some (the kernel picks who accepts).
         sent = 0
         counted: list[float] = []
@@ -166,6 +176,8 @@ class ProductionServerTests(RedisTransactionTestCase):
             # django-prometheus's counter, summed over both processes' files...
             by_view = (REQUESTS_BY_VIEW, (("method", "GET"), ("transport", "http"), ("view", "dashboard")))
             self.assertEqual(s[by_view], sent)
+            api_view = (REQUESTS_BY_VIEW, (("method", "POST"), ("transport", "http"), ("view", "api-v1:submit_job")))
+            self.assertEqual(s[api_view], 3)  # the API's requests are counted too
             # ...and FairQueue's own series, read from Redis by whichever process answers.
             self.assertEqual(s[("fairqueue_tenant_limit", acme)], 1)
             self.assertEqual(s[("fairqueue_tenant_in_flight", acme)], 1)
@@ -173,6 +185,34 @@ class ProductionServerTests(RedisTransactionTestCase):
 
 
 class MiddlewareChainTests(SimpleTestCase):
+    def test_the_api_handler_runs_only_what_the_api_uses_inline(self) -> None:
+        # /api/ requests: no session, user, message or CSRF middleware, and the hooks of the
+        # rest called on the event loop (no thread hand-off, no thread per request).
+        handler = ApiASGIHandler()
+        self.assertTrue(handler._view_middleware)
+        self.assertTrue(all(iscoroutinefunction(hook) for hook in handler._view_middleware), "view hooks run inline")
+        chain: list[str] = []
+        layer = handler._middleware_chain
+        while layer is not None:
+            inner = getattr(layer, "__wrapped__", layer)
+            middleware = getattr(inner, "middleware", None)
+            if middleware is None:
+                break
+            chain.append(type(middleware).__name__)
+            layer = inner.get_response
+        self.assertIn("PrometheusBeforeMiddleware", chain)
+        self.assertIn("SecurityMiddleware", chain)
+        self.assertIn("CommonMiddleware", chain)
+        for skipped in ("SessionMiddleware", "CsrfViewMiddleware", "AuthenticationMiddleware", "MessageMiddleware"):
+            self.assertNotIn(skipped, chain)
+        self.assertEqual(len(chain), len(api_middleware()))
+
+    def test_only_api_paths_go_to_the_api_handler(self) -> None:
+        self.assertTrue(is_api_path({"path": "/api/v1/jobs"}))
+        self.assertTrue(is_api_path({"path": "/fq/api/v1/jobs", "root_path": "/fq"}))
+        self.assertFalse(is_api_path({"path": "/admin/"}))
+        self.assertFalse(is_api_path({"path": "/apiary"}))
+
     def test_under_asgi_the_middleware_runs_synchronously_in_one_thread(self) -> None:
         # The static files middleware, synchronous and last, makes Django run every middleware
         # above it in sync mode; in async mode each of their hooks is a thread hand-off.

@@ -74,6 +74,7 @@ BROKER_PREFIX = "fq:celery:"  # CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefi
 PRIORITY_STEPS = 10  # CELERY_BROKER_TRANSPORT_OPTIONS["priority_steps"]
 KOMBU_SEP = "\x06\x16"  # kombu's Redis transport: a priority list is queue + sep + level
 DATABASE_NAME = "fq_bench_throughput"
+PHASES = ("all", "single")
 COUNT_DIR_ENV = "FAIRQUEUE_BENCH_QUERY_COUNT_DIR"  # settings installs fairqueue.bench.querycount
 
 
@@ -112,7 +113,18 @@ def add_arguments(parser: Any) -> None:
         "--database-url",
         default=None,
         help=f"a PostgreSQL server URL (e.g. postgres://postgres@127.0.0.1:5432/): the bench creates database "
-        f"{DATABASE_NAME} on it; without it a SQLite file",
+        f"{DATABASE_NAME} on it (or --database-name); without it a SQLite file",
+    )
+    parser.add_argument(
+        "--database-name",
+        default=DATABASE_NAME,
+        help="the database the bench (re)creates on --database-url's server (runs side by side need their own)",
+    )
+    parser.add_argument(
+        "--only",
+        choices=PHASES,
+        default="all",
+        help="single: only the single-submit figures (closed loop and open loop); the others are null",
     )
     stack.add_redis_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="worker processes for the no-op runs")
@@ -133,6 +145,8 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
     return run(
         redis_url=options["redis_url"],
         database_url=options.get("database_url"),
+        database_name=options.get("database_name") or DATABASE_NAME,
+        only=options.get("only") or "all",
         sizes=sizes,
         force=options["force"],
         log=log,
@@ -140,14 +154,21 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
 
 
 def run(
-    *, redis_url: str, database_url: str | None, sizes: Sizes, force: bool = False, log: Log = print
+    *,
+    redis_url: str,
+    database_url: str | None,
+    sizes: Sizes,
+    database_name: str = DATABASE_NAME,
+    only: str = "all",
+    force: bool = False,
+    log: Log = print,
 ) -> dict[str, Any]:
     stack.redis_db_prepare(redis_url, force=force)
     db_path = stack.BENCH_DIR / "throughput.sqlite3"
     with tempfile.TemporaryDirectory() as tmp:
         extra = {COUNT_DIR_ENV: str(Path(tmp) / "queries")}
         if database_url:
-            url = stack.fresh_postgres(database_url, DATABASE_NAME)
+            url = stack.fresh_postgres(database_url, database_name)
             env = stack.stack_env(redis_url=redis_url, db_path=db_path, database_url=url, **extra)
             stack.migrate(env)
         else:
@@ -158,13 +179,13 @@ def run(
             f"{sizes.workers} workers x {sizes.slots_per_worker} slots, {sizes.noop_jobs} no-op jobs per run"
         )
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"sizes": asdict(sizes)}))
+        spec.write_text(json.dumps({"sizes": asdict(sizes), "only": only}))
         try:
             stack.run_child("fairqueue.bench.throughput", ["--child", str(spec), str(out)], env=env, timeout=1800)
             doc: dict[str, Any] = json.loads(out.read_text())
         finally:
             stack.redis_db_flush(redis_url)
-    result = {key: doc["result"][key] for key in RESULT_KEYS}
+    result = {key: doc["result"].get(key) for key in RESULT_KEYS}
     for line in report_lines(result, doc["context"]):
         log(line)
     return result
@@ -390,6 +411,10 @@ def child_main(spec_path: str, out_path: str) -> None:
         result["single_http_p50_ms_at_200"] = round(statistics.median(latencies), 2)
         result["single_http_p99_ms_at_200"] = round(_percentile(latencies, 99), 2)
         context["open loop: requests, max ms"] = f"{len(latencies)}, {max(latencies):.1f}"
+        if spec.get("only") == "single":
+            context["sizes"] = asdict(sizes)
+            Path(out_path).write_text(json.dumps({"result": result, "context": context}))
+            return
         bulk_body = {"jobs": [body] * BULK_SIZE}
         seconds = asyncio.run(
             _closed_loop(

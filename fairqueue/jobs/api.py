@@ -19,6 +19,7 @@ from ninja.parser import Parser
 from ninja.security import HttpBearer
 from pydantic import ConfigDict
 
+from fairqueue.apiserver import in_api_thread
 from fairqueue.jobs import selectors
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.delays import MAX_DELAY
@@ -26,7 +27,7 @@ from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
-from tenants.authentication import tenant_authenticate_cached
+from tenants.authentication import tenant_authenticate_cached, tenant_authenticate_nowait
 from tenants.models import Tenant
 from webhooks.selectors import job_webhooks
 
@@ -86,15 +87,29 @@ def _check_string(text: str) -> None:
         raise JobError(400, "invalid_json", "Strings may not contain NUL (\\u0000) or unpaired surrogates.")
 
 
+def _active(tenant: Tenant | None) -> Tenant | None:
+    if tenant is not None and not tenant.active:
+        raise JobError(403, "tenant_inactive", "This tenant is deactivated.")
+    return tenant
+
+
+def _tenant_of_key(token: str) -> Tenant | None:
+    return _active(tenant_authenticate_cached(raw_key=token))
+
+
 class TenantKeyAuth(HttpBearer):
     """Bearer API key -> the Tenant (cached per process: a rotated key or a deactivated tenant
-    stops working within a second); an inactive tenant is refused with 403."""
+    stops working within a second); an inactive tenant is refused with 403.
 
-    def authenticate(self, request: HttpRequest, token: str) -> Tenant | None:
-        tenant = tenant_authenticate_cached(raw_key=token)
-        if tenant is not None and not tenant.active:
-            raise JobError(403, "tenant_inactive", "This tenant is deactivated.")
-        return tenant
+    Async, like every view of this API: answered on the event loop when the cache alone
+    answers, else the lookup (a Redis read now and then, the database on a cache miss) runs
+    off the loop (fairqueue/apiserver.py)."""
+
+    async def authenticate(self, request: HttpRequest, token: str) -> Tenant | None:  # type: ignore[override]
+        known, tenant = tenant_authenticate_nowait(raw_key=token)
+        if known:
+            return _active(tenant)
+        return await in_api_thread(_tenant_of_key, token)
 
 
 api = NinjaAPI(
@@ -419,22 +434,50 @@ def _tenant(request: HttpRequest) -> Tenant:
     return request.auth  # type: ignore[attr-defined,no-any-return]
 
 
-@api.post("/jobs", response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)})
-def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
-    """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
-    result = job_submit(tenant=_tenant(request), req=payload.to_request())
+# The views are async: each runs its synchronous part (the service or selector, with its
+# database and Redis calls) in one `in_api_thread` call, on the web process's API threads
+# rather than a new thread per request (fairqueue/apiserver.py).
+
+
+def _submit_one(tenant: Tenant, req: JobRequest) -> tuple[int, dict[str, Any]]:
+    result = job_submit(tenant=tenant, req=req)
     return (202 if result.created else 200), selectors.job_to_dict(result.job)
 
 
-@api.post("/jobs/bulk", response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)})
-def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> tuple[int, list[dict[str, Any]]]:
-    """Submit up to 1,000 jobs at once; all are validated before any is written."""
-    results = job_submit_bulk(tenant=_tenant(request), reqs=[j.to_request() for j in payload.jobs])
+def _submit_many(tenant: Tenant, reqs: list[JobRequest]) -> tuple[int, list[dict[str, Any]]]:
+    results = job_submit_bulk(tenant=tenant, reqs=reqs)
     return 202, [selectors.job_to_dict(r.job) for r in results]
 
 
+def _job_with_eta(tenant: Tenant, job_id: str) -> dict[str, Any]:
+    job = selectors.job_get(tenant=tenant, job_id=job_id)
+    eta = job_eta(job)
+    return {**selectors.job_to_dict(job, explain=True), "position": eta.position, "eta_seconds": eta.eta_seconds}
+
+
+def _job_webhooks(tenant: Tenant, job_id: str) -> list[dict[str, Any]]:
+    return job_webhooks(selectors.job_get(tenant=tenant, job_id=job_id))
+
+
+def _job_cancel(tenant: Tenant, job_id: str) -> dict[str, Any]:
+    job = selectors.job_get(tenant=tenant, job_id=job_id)
+    return selectors.job_to_dict(job_cancel(job=job))
+
+
+@api.post("/jobs", response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)})
+async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
+    """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
+    return await in_api_thread(_submit_one, _tenant(request), payload.to_request())
+
+
+@api.post("/jobs/bulk", response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)})
+async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> tuple[int, list[dict[str, Any]]]:
+    """Submit up to 1,000 jobs at once; all are validated before any is written."""
+    return await in_api_thread(_submit_many, _tenant(request), [j.to_request() for j in payload.jobs])
+
+
 @api.get("/jobs", response={200: JobListOut, **_errors(400, 401, 403)})
-def list_jobs(
+async def list_jobs(
     request: HttpRequest,
     status: Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
     | None = None,
@@ -442,32 +485,29 @@ def list_jobs(
     offset: int = Query(0, ge=0, le=10_000_000),
 ) -> dict[str, Any]:
     """The calling tenant's jobs, newest first."""
-    return selectors.job_list(tenant=_tenant(request), status=status, limit=limit, offset=offset)
+    return await in_api_thread(selectors.job_list, tenant=_tenant(request), status=status, limit=limit, offset=offset)
 
 
 @api.get("/limits", response={200: LimitsOut, **_errors(401, 403, 503)})
-def get_limits(request: HttpRequest) -> dict[str, Any]:
+async def get_limits(request: HttpRequest) -> dict[str, Any]:
     """The calling tenant's limit, term by term (floor, base, ceiling, pressure), and its load."""
-    return selectors.tenant_limits_explain(tenant=_tenant(request))
+    return await in_api_thread(selectors.tenant_limits_explain, tenant=_tenant(request))
 
 
 @api.get("/jobs/{job_id}", response={200: JobOut, **_errors(401, 403, 404, 503)})
-def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
-    job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
-    eta = job_eta(job)
-    return {**selectors.job_to_dict(job, explain=True), "position": eta.position, "eta_seconds": eta.eta_seconds}
+async def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    return await in_api_thread(_job_with_eta, _tenant(request), job_id)
 
 
 @api.get("/jobs/{job_id}/webhooks", response={200: list[WebhookEventOut], **_errors(401, 403, 404)})
-def get_job_webhooks(request: HttpRequest, job_id: str) -> list[dict[str, Any]]:
+async def get_job_webhooks(request: HttpRequest, job_id: str) -> list[dict[str, Any]]:
     """The job's completion events and every attempt to deliver them (README, "Webhooks")."""
-    return job_webhooks(selectors.job_get(tenant=_tenant(request), job_id=job_id))
+    return await in_api_thread(_job_webhooks, _tenant(request), job_id)
 
 
 @api.post("/jobs/{job_id}/cancel", response={200: JobOut, **_errors(401, 403, 404, 409, 503)})
-def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
-    job = selectors.job_get(tenant=_tenant(request), job_id=job_id)
-    return selectors.job_to_dict(job_cancel(job=job))
+async def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    return await in_api_thread(_job_cancel, _tenant(request), job_id)
 
 
 __all__ = ["api"]
