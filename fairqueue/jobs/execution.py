@@ -19,8 +19,6 @@ from typing import Any
 
 import redis
 from django.conf import settings
-from django.db.models import F, Value
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue import tracing
@@ -32,7 +30,6 @@ from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
 from fairqueue.jobs.broker import split_engine_id
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
-from fairqueue.jobs.groupcommit import RowChange
 from fairqueue.jobs.handoff import inline_pick
 from fairqueue.jobs.isolation import isolated_run
 from fairqueue.jobs.leases import active_leases
@@ -42,7 +39,6 @@ from fairqueue.jobs.retries import attempt_end_fields
 from fairqueue.jobs.retry_policy import NO_RETRY
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout, failure_reason
-from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
@@ -172,26 +168,10 @@ def _job_run(
     if inline:  # handed this slot by a release: nobody else writes its wake-up
         steps.insert(0, tl.line(tl.WOKEN, "inline", at=now))
 
-    def claim_alone() -> bool:
-        return bool(
-            Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
-                status=JobStatus.RUNNING,
-                started_at=now,
-                admitted_at=Coalesce("admitted_at", Value(now)),
-                attempts=F("attempts") + 1,
-                worker=worker,
-                timeline=tl.appended(*steps),
-            )
-        )
-
-    # The same compare-and-set, sent with the claims other threads make now (groupcommit).
-    claim = RowChange(
-        job_id=job_id,
-        generation=generation,
-        values={"status": JobStatus.RUNNING, "started_at": now, "worker": worker},
-        lines="".join(steps),
+    # The compare-and-set, sent with the claims other threads make now (groupcommit).
+    claimed = groupcommit.job_claim(
+        job_id=job_id, generation=generation, worker=worker, now=now, lines="".join(steps), arrived=arrived
     )
-    claimed = groupcommit.claims.submit(claim, alone=claim_alone, arrived=arrived)
     if not claimed:
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     tracing.event("started", attempt=job.attempts + 1, worker=worker)
@@ -293,12 +273,7 @@ def _job_run(
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     # The compare-and-set on `running` that makes the attempt's end final, sent with the
     # outcomes other threads record now (groupcommit); alone, its own statement (job_finish).
-    change = RowChange(job_id=job_id, generation=generation, values=dict(fields), lines="".join(lines))
-    where = {"id": job_id, "generation": generation, "status": JobStatus.RUNNING}
-    fields["timeline"] = tl.appended(*lines)
-    if groupcommit.outcomes.submit(
-        groupcommit.Outcome(change=change, job=job), alone=lambda: job_finish(job, where=where, fields=fields)
-    ):
+    if groupcommit.job_outcome(job, fields=fields, lines=lines):
         stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
         if job.resources and fields["status"] == JobStatus.SUCCEEDED:
             job_resources_succeeded(job)

@@ -31,14 +31,18 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from django.conf import settings
 from django.db import connections, router, transaction
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 
 from fairqueue.jobs import stats
+from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
-from webhooks.outbox import event_record, webhook_target
+from webhooks.outbox import event_record, job_finish, webhook_target
 
 log = logging.getLogger("fairqueue.jobs.groupcommit")
 
@@ -187,16 +191,21 @@ def rows_update(
     job table and `{v}` the VALUES list (column names double-quoted)."""
     db = router.db_for_write(Job)
     connection = connections[db]
+    # Two members for one row (two deliveries of one job, say) would both see its id
+    # returned: only the first is sent; the others lose, as the second of two single
+    # statements would (the first one's change took the row out of `statuses`).
+    first: dict[uuid.UUID, int] = {}
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, change in enumerate(changes):
-        groups.setdefault(tuple(sorted(change.values)), []).append(i)
+        if first.setdefault(_normal(change.job_id), i) == i:
+            groups.setdefault(tuple(sorted(change.values)), []).append(i)
     won: set[uuid.UUID] = set()
     with transaction.atomic(using=db) if len(groups) > 1 else nullcontext(), connection.cursor() as cursor:
         for names, members in groups.items():
             sql, params = _statement(connection, [changes[i] for i in members], names, statuses, expressions or {})
             cursor.execute(sql, params)
             won.update(_normal(row[0]) for row in cursor.fetchall())
-    return [_normal(change.job_id) in won for change in changes]
+    return [first[key] == i and key in won for i, key in enumerate(_normal(c.job_id) for c in changes)]
 
 
 def _statement(
@@ -277,3 +286,47 @@ def _outcomes_flush(items: list[Outcome]) -> list[bool]:
 
 claims: Batcher[RowChange] = Batcher("claims", _claims_flush)
 outcomes: Batcher[Outcome] = Batcher("outcomes", _outcomes_flush)
+
+
+def job_claim(
+    *, job_id: str, generation: int, worker: str, now: datetime, lines: str, arrived: Callable[[], None] | None = None
+) -> bool:
+    """The compare-and-set that starts a delivery: (id, generation) queued or parked ->
+    running, attempts + 1, `lines` appended to the timeline; True if it won. Sent with
+    the claims the process's other threads make now; alone, its own UPDATE."""
+
+    def alone() -> bool:
+        return bool(
+            Job.objects.filter(id=job_id, generation=generation, status__in=WAITING).update(
+                status=JobStatus.RUNNING,
+                started_at=now,
+                admitted_at=Coalesce("admitted_at", Value(now)),
+                attempts=F("attempts") + 1,
+                worker=worker,
+                timeline=tl.appended(lines),
+            )
+        )
+
+    change = RowChange(
+        job_id=job_id,
+        generation=generation,
+        values={"status": JobStatus.RUNNING, "started_at": now, "worker": worker},
+        lines=lines,
+    )
+    return claims.submit(change, alone=alone, arrived=arrived)
+
+
+def job_outcome(
+    job: Job, *, fields: dict[str, Any], lines: Sequence[str], arrived: Callable[[], None] | None = None
+) -> bool:
+    """The compare-and-set that ends an attempt: the job's running generation gets
+    `fields` (literal values) and `lines` on its timeline, with its webhook event in the
+    same transaction (webhooks.outbox); True if it won. Sent with the outcomes the
+    process's other threads record now; alone, `job_finish`."""
+    where = {"id": str(job.id), "generation": job.generation, "status": JobStatus.RUNNING}
+
+    def alone() -> bool:
+        return job_finish(job, where=where, fields={**fields, "timeline": tl.appended(*lines)})
+
+    change = RowChange(job_id=str(job.id), generation=job.generation, values=dict(fields), lines="".join(lines))
+    return outcomes.submit(Outcome(change=change, job=job), alone=alone, arrived=arrived)
