@@ -24,7 +24,7 @@ from django.utils import timezone
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
-from fairqueue.jobs import cells, groupcommit, handback, live, payloads, stats
+from fairqueue.jobs import groupcommit, handback, live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -176,7 +176,6 @@ def _job_run(
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     tracing.event("started", attempt=job.attempts + 1, worker=worker)
     tracing.job_span_hold(job.engine_id)
-    cells.jobs_leave([str(job.id)])
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1

@@ -39,7 +39,7 @@ from django.db import connections, router, transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
-from fairqueue.jobs import stats
+from fairqueue.jobs import cells, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
 from webhooks.outbox import event_record, job_finish, webhook_target
@@ -78,8 +78,6 @@ class Batcher(Generic[T]):
         self._open: _Batch[T] | None = None
         self._flushing = False
         self._coming = 0  # threads announced (`expecting`) that have not arrived yet
-        self.batches = 0  # statements sent (batches of two or more): for tests and stats
-        self.rows = 0
 
     @contextmanager
     def expecting(self) -> Iterator[Callable[[], None]]:
@@ -140,14 +138,15 @@ class Batcher(Generic[T]):
                     batch.failed = _Alone()
                 else:
                     batch.results = self._flush(batch.items)
-                    self.batches += 1
-                    self.rows += len(batch.items)
                     stats.count(f"groupcommit:{self.name}:batches")
                     stats.count(f"groupcommit:{self.name}:rows", len(batch.items))
-            except BaseException as exc:  # every member runs its own statement instead
+            except Exception as exc:  # every member runs its own statement instead
                 batch.failed = exc
                 stats.count(f"groupcommit:{self.name}:failed")
                 log.warning("%s batch of %d failed; each runs alone", self.name, len(batch.items), exc_info=True)
+            except BaseException as exc:  # the process is stopping: the members fend for themselves
+                batch.failed = exc
+                raise
             finally:
                 with self._cond:
                     self._flushing = False
@@ -155,7 +154,7 @@ class Batcher(Generic[T]):
                 batch.done.set()
         else:
             batch.done.wait()
-        if batch.failed is not None or batch.results is None:
+        if batch.results is None:  # a batch of one, or nothing of the batch committed
             return alone()
         return batch.results[index]
 
@@ -258,7 +257,15 @@ CLAIM_EXPRESSIONS = {
 
 
 def _claims_flush(changes: list[RowChange]) -> list[bool]:
-    return rows_update(changes, statuses=WAITING, expressions=CLAIM_EXPRESSIONS)
+    won = rows_update(changes, statuses=WAITING, expressions=CLAIM_EXPRESSIONS)
+    # Started jobs wait no more: one cells round trip for the batch, not one per job. The
+    # claims are committed: nothing may fail the batch now (its members would run their
+    # statements again and find their rows taken).
+    try:
+        cells.jobs_leave([c.job_id for c, ok in zip(changes, won, strict=True) if ok])
+    except Exception:
+        log.warning("could not update the cells of %d started job(s)", sum(won), exc_info=True)
+    return won
 
 
 @dataclass(frozen=True)
@@ -293,19 +300,21 @@ def job_claim(
 ) -> bool:
     """The compare-and-set that starts a delivery: (id, generation) queued or parked ->
     running, attempts + 1, `lines` appended to the timeline; True if it won. Sent with
-    the claims the process's other threads make now; alone, its own UPDATE."""
+    the claims the process's other threads make now; alone, its own UPDATE. A job
+    claimed leaves its waiting cell (fairqueue.jobs.cells)."""
 
     def alone() -> bool:
-        return bool(
-            Job.objects.filter(id=job_id, generation=generation, status__in=WAITING).update(
-                status=JobStatus.RUNNING,
-                started_at=now,
-                admitted_at=Coalesce("admitted_at", Value(now)),
-                attempts=F("attempts") + 1,
-                worker=worker,
-                timeline=tl.appended(lines),
-            )
+        won = Job.objects.filter(id=job_id, generation=generation, status__in=WAITING).update(
+            status=JobStatus.RUNNING,
+            started_at=now,
+            admitted_at=Coalesce("admitted_at", Value(now)),
+            attempts=F("attempts") + 1,
+            worker=worker,
+            timeline=tl.appended(lines),
         )
+        if won:
+            cells.jobs_leave([job_id])
+        return bool(won)
 
     change = RowChange(
         job_id=job_id,
