@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
@@ -35,6 +36,7 @@ from fairqueue.jobs.task_limits import ATTEMPT_FAILURE_REASONS
 log = logging.getLogger("fairqueue.dashboard")
 
 CACHE_SECONDS = 1.5
+GO_VALUES_KEPT = 10_000  # distinct sample values whose text is kept
 FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
 
 
@@ -83,8 +85,36 @@ def _capacity_families(capacity: dict[str, Any] | None) -> list[Metric]:
 
 
 class TenantGaugeFamily(GaugeMetricFamily):
-    """A gauge with one sample per tenant, labelled `tenant` only: `metrics_render` writes
-    it out itself (see there)."""
+    """A gauge with one sample per tenant, labelled `tenant` only, kept as two columns
+    (`tenants`, `values`): `metrics_render` writes it from them (see there), and its
+    `samples` are made only when something else reads them (prometheus_client's writers)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: Sequence[str] = ("tenant",),
+        *,
+        tenants: list[str] | None = None,
+        values: list[float] | None = None,
+    ) -> None:
+        super().__init__(name, documentation, labels=labels)
+        self.tenants: list[str] = tenants if tenants is not None else []
+        self.values: list[float] = values if values is not None else []
+
+    def add_metric(self, labels: Sequence[str], value: float, timestamp: Any = None) -> None:
+        self.tenants.append(labels[0])
+        self.values.append(value)
+
+    @property  # type: ignore[override]  # a read of the columns, in Metric's shape
+    def samples(self) -> list[Sample]:
+        return [Sample(self.name, {"tenant": t}, v) for t, v in zip(self.tenants, self.values, strict=True)]
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        # Metric.__init__ sets an empty list; anything else is kept as columns.
+        self.tenants = [s.labels["tenant"] for s in samples]
+        self.values = [s.value for s in samples]
 
 
 def _label_value(value: str) -> str:
@@ -94,17 +124,61 @@ def _label_value(value: str) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class _FamilyText:
+    """A tenant family as last written: its lines are written again only where a value moved."""
+
+    documentation: str
+    tenants: list[str]
+    values: list[float]
+    all_int: bool  # equal ints write equal text (equal floats may not: -0.0 and 0.0)
+    lines: list[str]
+    text: str
+
+
+_family_texts: dict[str, _FamilyText] = {}  # by family name; replaced whole, never changed in place
+
+
 def tenant_family_text(family: TenantGaugeFamily) -> str:
-    """The family as the text format, line for line what generate_latest writes for it."""
+    """The family as the text format, line for line what generate_latest writes for it.
+
+    Ten thousand tenants make thirty thousand lines a scrape, most of them as they were at
+    the last scrape: the family's last text is kept, and only the lines whose tenant's value
+    changed are written again (all of them when the tenants or the help text changed)."""
+    name, tenants, values = family.name, family.tenants, family.values
+    last = _family_texts.get(name)
+    if last is not None and last.documentation == family.documentation and last.tenants == tenants:
+        if last.all_int and last.values == values:
+            return last.text
+        lines = list(last.lines)
+        for i, (value, then) in enumerate(zip(values, last.values, strict=True)):
+            if value != then or type(value) is not int or type(then) is not int:
+                lines[i] = _tenant_line(name, tenants[i], value)
+    else:
+        lines = [_tenant_line(name, tenant, value) for tenant, value in zip(tenants, values, strict=True)]
     doc = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    lines = [f"# HELP {family.name} {doc}\n# TYPE {family.name} gauge\n"]
-    values: dict[float, str] = {}  # few distinct values over ten thousand tenants
-    for sample in family.samples:
-        value = values.get(sample.value)
-        if value is None:
-            value = values[sample.value] = floatToGoString(sample.value)
-        lines.append(f'{sample.name}{{tenant="{_label_value(sample.labels["tenant"])}"}} {value}\n')
-    return "".join(lines)
+    text = f"# HELP {name} {doc}\n# TYPE {name} gauge\n" + "".join(lines)
+    all_int = all(type(v) is int for v in values)
+    _family_texts[name] = _FamilyText(family.documentation, list(tenants), list(values), all_int, lines, text)
+    return text
+
+
+def _tenant_line(name: str, tenant: str, value: float) -> str:
+    return f'{name}{{tenant="{_label_value(tenant)}"}} {_go_value(value)}\n'
+
+
+_int_texts: dict[int, str] = {}  # few distinct values over ten thousand tenants
+
+
+def _go_value(value: float) -> str:
+    if type(value) is not int:
+        return str(floatToGoString(value))
+    text = _int_texts.get(value)
+    if text is None:
+        if len(_int_texts) > GO_VALUES_KEPT:
+            _int_texts.clear()
+        text = _int_texts[value] = floatToGoString(value)
+    return text
 
 
 class _AllButTenantFamilies:
@@ -124,18 +198,27 @@ class _AllButTenantFamilies:
 
 def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Metric]:
     """The metric families for one snapshot and one read of the stats hash."""
-    in_flight = TenantGaugeFamily("fairqueue_tenant_in_flight", "Jobs holding a tenant's slots.", labels=["tenant"])
-    limit = TenantGaugeFamily("fairqueue_tenant_limit", "A tenant's current concurrency limit.", labels=["tenant"])
-    parked = TenantGaugeFamily("fairqueue_tenant_parked", "A tenant's jobs parked for a slot.", labels=["tenant"])
-    # Three samples per tenant (thirty thousand at ten thousand tenants): made directly,
-    # as add_metric would, without its per-call zip of label names; the three share one
-    # label dict (samples are read, never changed).
-    in_flight_samples, limit_samples, parked_samples = in_flight.samples, limit.samples, parked.samples
-    for t in snapshot["tenants"]:
-        tenant_labels = {"tenant": t["slug"]}
-        in_flight_samples.append(Sample(in_flight.name, tenant_labels, t["in_flight"]))
-        limit_samples.append(Sample(limit.name, tenant_labels, t["limit"]))
-        parked_samples.append(Sample(parked.name, tenant_labels, t["parked"]))
+    # Three samples per tenant (thirty thousand at ten thousand tenants), kept as columns.
+    rows = snapshot["tenants"]
+    slugs = [t["slug"] for t in rows]
+    in_flight = TenantGaugeFamily(
+        "fairqueue_tenant_in_flight",
+        "Jobs holding a tenant's slots.",
+        tenants=slugs,
+        values=[t["in_flight"] for t in rows],
+    )
+    limit = TenantGaugeFamily(
+        "fairqueue_tenant_limit",
+        "A tenant's current concurrency limit.",
+        tenants=slugs,
+        values=[t["limit"] for t in rows],
+    )
+    parked = TenantGaugeFamily(
+        "fairqueue_tenant_parked",
+        "A tenant's jobs parked for a slot.",
+        tenants=slugs,
+        values=[t["parked"] for t in rows],
+    )
     oldest = GaugeMetricFamily(
         "fairqueue_queue_oldest_wait_seconds",
         "Age of the oldest job not yet started per shard and latency class (0 when none waits).",

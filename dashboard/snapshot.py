@@ -1,19 +1,25 @@
 """One picture of the live state: pool, tenants and the shard x latency-class grid.
 
 `snapshot_build()` is what the dashboard shows and what `/metrics` exports. Per call it
-costs no database query and three Redis round trips, and reads nothing per waiting job:
+costs no database query and a few Redis round trips, and reads nothing per waiting job:
 
 - every tenant's submission rate and mean duration (`live.signals_read_many`: a ring is
   read again only once its bucket completes, a mean only for a tenant with a rate);
 - the worker registry (`fleet_read`);
-- one pipeline: every shard's engine holder counts (HMGET), the cells' summary
-  (fairqueue.jobs.cells: every (shard, class) and (tenant, class) cell's waiting count and
-  oldest job, kept as jobs move, one HGETALL; a job waits from when it became due,
-  `due_at` for a delayed or retried job, else `submitted_at`), the tick's shares and
-  limits; then each
-  cell's history list (pushed to when `record=True`, then read). Jobs in the batch lane
-  (batch, not promoted) are shown as their own class `batch`, measured against the pool's
-  batch objective, so hours-long batch waits never colour an interactive cell.
+- one pipeline: every shard's engine holder counts (HMGET) and the version of the tick's
+  shares and limits; those (three HGETALLs) only when their version moved;
+- the cells (fairqueue.jobs.cells `cells_refresh`: every (shard, class) and (tenant,
+  class) cell's waiting count and oldest job, kept as jobs move; only the cells changed
+  since the last build are read, by the summary's version and changes log; a job waits
+  from when it became due, `due_at` for a delayed or retried job, else `submitted_at`);
+- each cell's history list (pushed to when `record=True`, then read). Jobs in the batch
+  lane (batch, not promoted) are shown as their own class `batch`, measured against the
+  pool's batch objective, so hours-long batch waits never colour an interactive cell.
+
+What the last build read and made is kept in the process (dashboard.tenant_rows: a tenant's
+row is made again only when one of its inputs changed); every build still reads every
+version and every holder count, so a change made anywhere shows in the next build. The
+answer shares objects with the builds before and after it: read it, do not change it.
 
 JSON shape (all numbers plain; ages and durations in seconds)::
 
@@ -43,15 +49,17 @@ nothing waits), orange from the objective on, red from twice the objective on.
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from dashboard.gc_pause import gc_paused
+from dashboard.tenant_rows import LimitsRaw, RowsInputs, TenantRows
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import cells, live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.runtime import engine, redis_client
@@ -96,6 +104,7 @@ class _Roster:
     keys: list[str]  # tenant_key of each tenant, in the same order
     limit_keys: list[int]  # the tenant's policy numbers, as an id shared by tenants alike
     count_names: dict[str, list[str]]  # shard -> the fields of its engine state to read
+    rows: TenantRows  # their rows, kept from build to build
 
 
 _roster: _Roster | None = None
@@ -119,13 +128,42 @@ def _roster_for(policy: PolicySnapshot) -> _Roster:
             )
             for t in tenants
         ]
-        roster = _roster = _Roster(policy, tenants, keys, limit_keys, count_names)
+        rows = TenantRows(policy, tenants, keys, limit_keys)
+        roster = _roster = _Roster(policy, tenants, keys, limit_keys, count_names, rows)
     return roster
 
 
+@dataclass
+class _Kept:
+    """What the last build read, to read again only what changed since (one per process;
+    every build still reads the state's versions and every engine holder count, so a
+    change made by any process shows in the next build)."""
+
+    view: cells.CellsView | None = None
+    count_names: dict[str, list[str]] | None = None  # the roster's fields the holders were read for
+    held_raw: dict[str, list[str | None]] = field(default_factory=dict)  # shard -> its reply, as read
+    shard_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # shard -> (its key's, its batch key's)
+    holders: dict[str, int] = field(default_factory=dict)  # tenant engine key -> held
+    limits_version: str | None = None  # the tick's publication the three hashes were read at
+    limits_raw: LimitsRaw = ({}, {}, {})
+
+
+_kept = _Kept()
+_kept_lock = threading.Lock()  # builds from several threads (the collector, the websocket) take turns
+
+
+def snapshot_forget() -> None:
+    """Drop what this process kept from earlier builds: the next one reads and makes
+    everything (tests compare it with a build that kept)."""
+    global _kept, _roster
+    with _kept_lock:
+        _kept, _roster = _Kept(), None
+
+
 def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[str, Any]:
-    """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history."""
-    with gc_paused():
+    """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history.
+    The answer shares objects with the builds before and after it: read it, do not change it."""
+    with gc_paused(), _kept_lock:
         return _snapshot_build(record=record, with_history=with_history)
 
 
@@ -135,9 +173,10 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
     objectives = _class_objectives(policy)
     shards = sorted(policy.shards)
     roster = _roster_for(policy)
+    kept = _kept
     signals = live.signals_read_many([t.slug for t in roster.tenants], now=now)
 
-    # --- Redis: fleet, then everything else in one pipeline --------------------------------
+    # --- Redis: fleet, then the versions and the holders in one pipeline, then what moved --
     fleet = fleet_read()
     client = redis_client()
     prefix = engine().prefix
@@ -146,23 +185,41 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
     for shard in shards:
         names = count_names[shard]
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
-    pipe.hgetall(cells.SUMMARY_KEY)  # every cell's waiting count and oldest job
-    pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
-    pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
-    pipe.hgetall(live.TICK_LIMITS_KEY)  # and the limit the tick set
+    pipe.get(live.SHARES_VERSION_KEY)  # the tick's shares and limits as of when
     results = iter(pipe.execute())
-    holders: dict[str, int] = {}
+    if kept.count_names is not count_names:
+        kept.count_names, kept.held_raw, kept.shard_held, kept.holders = count_names, {}, {}, {}
+    # A shard's counts are converted only when its reply differs from the last build's; the
+    # holders' dict is the last build's own while none did (the rows compare it by identity).
+    held_raw = kept.held_raw
+    changed = [(shard, raw) for shard in shards if held_raw.get(shard) != (raw := next(results))]
+    if changed:
+        holders = dict(kept.holders)
+        for shard, raw in changed:
+            # The fields read: the shard's key, its batch key, then its tenants' keys.
+            holders.update(zip(count_names[shard][2:], [int(v) if v else 0 for v in raw[2:]], strict=True))
+            kept.shard_held[shard] = (int(raw[0] or 0), int(raw[1] or 0))
+            held_raw[shard] = raw
+        kept.holders = holders
+    holders = kept.holders
     in_flight = batch_in_flight = 0
     for shard in shards:
-        counts = dict(zip(count_names[shard], (int(v or 0) for v in next(results)), strict=True))
-        batch_in_flight += counts[BATCH_KEY]
-        in_flight += max(0, counts[SHARD_KEY] - counts[BATCH_KEY])
-        holders.update({k: v for k, v in counts.items() if k not in (SHARD_KEY, BATCH_KEY)})
-    view = cells.cells_parse(next(results) or {})
-    # Kept as read: parsed only for the tenants whose limit is computed (see the memo below).
-    shares_raw: dict[str, str] = next(results) or {}
-    fair_raw: dict[str, str] = next(results) or {}
-    ticked_raw: dict[str, str] = next(results) or {}
+        shard_held, batch_held = kept.shard_held[shard]
+        batch_in_flight += batch_held
+        in_flight += max(0, shard_held - batch_held)
+    limits_version: str | None = next(results)
+    # A missing version (nothing published, or expired) is never taken as unchanged.
+    if limits_version is None or limits_version != kept.limits_version:
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(live.SHARES_KEY)  # each tenant's share of idle slots, from the worker tick
+        pipe.hgetall(live.FAIR_SHARES_KEY)  # and its fair share of the pool
+        pipe.hgetall(live.TICK_LIMITS_KEY)  # and the limit the tick set
+        # Read after their version: at least as new as the version they are kept under;
+        # kept as read (the rows parse a figure only for a limit they compute).
+        shares, fair, ticked = pipe.execute()
+        kept.limits_raw, kept.limits_version = (shares or {}, fair or {}, ticked or {}), limits_version
+    # Every cell's waiting count and oldest job, read as far as they changed since the last build.
+    view = kept.view = cells.cells_refresh(kept.view)
 
     def age(ts: float | None) -> float | None:
         return None if ts is None else round(max(0.0, now - ts), 3)
@@ -197,75 +254,10 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "batch_share": round(busy_batch / slots, 4) if slots else 0.0,
         "target": round(slots * policy.pool.target_utilisation, 3),
     }
-    tenant_rows: list[dict[str, Any]] = []
-    append = tenant_rows.append
-    waiting_of, parked_of = view.of_tenants("t"), view.of_tenants("p")
-    # Tenants alike in policy numbers and signals share one computation (ten thousand
-    # tenants, most of them alike): the memo is keyed by the policy half of the tenant
-    # (precomputed per policy) and the published figures as read, unparsed.
-    memo: dict[tuple[Any, ...], tuple[int, int, float, float]] = {}
-    shares_get, fair_get, ticked_get, holders_get = shares_raw.get, fair_raw.get, ticked_raw.get, holders.get
-    waiting_get, parked_get = waiting_of.get, parked_of.get
-    for t, key, limit_key in zip(roster.tenants, roster.keys, roster.limit_keys, strict=True):
-        slug = t.slug
-        base = signals[slug]
-        share, fair_share, tick = shares_get(slug), fair_get(slug), ticked_get(slug)
-        memo_key = (limit_key, base.rate_per_min, base.mean_seconds, share, fair_share, tick)
-        figures = memo.get(memo_key)
-        if figures is None:
-            tick_limit, tick_held = live.tick_limit_parse(tick)
-            breakdown = tenant_limit_for(
-                policy,
-                t,
-                LiveSignals(
-                    rate_per_min=base.rate_per_min,
-                    mean_seconds=base.mean_seconds,
-                    pool_slots=slots,
-                    in_flight=in_flight,
-                    idle_share=int(share) if share is not None else 0,
-                    fair_share=float(fair_share) if fair_share is not None else None,
-                    tick_limit=tick_limit,
-                    tick_held_elsewhere=tick_held,
-                ),
-            )
-            figures = memo[memo_key] = (
-                breakdown.floor,
-                breakdown.limit,
-                round(breakdown.rate_per_min, 3),
-                round(breakdown.mean_seconds, 4),
-            )
-        parked_cells = parked_get(slug)
-        parked_by_class = {cls: c.waiting for cls, c in parked_cells.items()} if parked_cells else {}
-        waiting = 0
-        tenant_oldest: float | None = None
-        waiting_cells = waiting_get(slug)
-        if waiting_cells:
-            for cls, summary in waiting_cells.items():
-                waiting += summary.waiting
-                oldest_ts = summary.oldest_ts
-                if (
-                    cls != BATCH_CLASS
-                    and oldest_ts is not None
-                    and (tenant_oldest is None or oldest_ts < tenant_oldest)
-                ):
-                    tenant_oldest = oldest_ts
-        append(
-            {
-                "slug": slug,
-                "name": t.name,
-                "active": t.active,
-                "shard": t.shard,
-                "floor": figures[0],
-                "limit": figures[1],
-                "in_flight": holders_get(key, 0),
-                "parked_by_class": parked_by_class,
-                "parked": sum(parked_by_class.values()),
-                "waiting": waiting,
-                "oldest_wait_s": None if tenant_oldest is None else round(max(0.0, now - tenant_oldest), 3),
-                "rate_per_min": figures[2],
-                "mean_job_s": figures[3],
-            }
-        )
+    tenant_rows = roster.rows.build(
+        RowsInputs(signals, kept.limits_raw, holders, view, (slots, in_flight)),
+        now=now,
+    )
     grid = []
     for (shard, cls), oldest in cell_ages.items():
         objective = objectives[cls]

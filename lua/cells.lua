@@ -13,10 +13,22 @@
 --   "park" job score cell            the job is also in `cell`, if it is in some cell now
 --   "del" job                        the job is in no cell (it left the waiting state)
 --   "unpark" job                     the job leaves its cells named "p|..."
+-- Every call that changes the summary bumps prefix.."version" and scores the cells it
+-- changed with the new version in prefix.."changes" (a sorted set: one member per cell,
+-- its last change), so a reader that kept the summary at a version reads only the cells
+-- changed since (fairqueue.jobs.cells.cells_refresh). A version created afresh (a new or
+-- flushed server, a rebuild) gets a new prefix.."epoch" (the server's clock, in
+-- microseconds): a reader never mistakes a restarted count for the one it kept. Past
+-- CHANGES_KEPT cells (checked every TRIM_EVERY versions) the oldest leave the log;
+-- prefix.."trimmed" is then the newest version that left it (a reader that kept an older
+-- one reads everything).
 -- Returns the number of operations applied.
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
+local CHANGES_KEPT = 200000
+local TRIM_EVERY = 1000
+local changed, changed_list = {}, {}
 
 local function refresh(cell)
   local z = prefix .. 'z:' .. cell
@@ -26,6 +38,10 @@ local function refresh(cell)
   else
     local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
     redis.call('HSET', summary, cell, n .. ' ' .. first[2])
+  end
+  if not changed[cell] then
+    changed[cell] = true
+    changed_list[#changed_list + 1] = cell
   end
 end
 
@@ -83,5 +99,24 @@ while i <= #ARGV do
     return redis.error_reply('cells: unknown operation ' .. tostring(op))
   end
   applied = applied + 1
+end
+if #changed_list > 0 then
+  local version = redis.call('INCR', prefix .. 'version')
+  if version == 1 then
+    local now = redis.call('TIME')
+    redis.call('SET', prefix .. 'epoch', now[1] .. string.format('%06d', tonumber(now[2])))
+  end
+  local changes = prefix .. 'changes'
+  for k = 1, #changed_list do
+    redis.call('ZADD', changes, version, changed_list[k])
+  end
+  -- Its size is checked once in TRIM_EVERY calls (each call's cost counts: a claim is one).
+  local over = 0
+  if version % TRIM_EVERY == 0 then over = redis.call('ZCARD', changes) - CHANGES_KEPT end
+  if over > 0 then
+    local last = redis.call('ZRANGE', changes, over - 1, over - 1, 'WITHSCORES')
+    redis.call('ZREMRANGEBYRANK', changes, 0, over - 1)
+    redis.call('SET', prefix .. 'trimmed', last[2])
+  end
 end
 return applied

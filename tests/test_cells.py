@@ -14,6 +14,7 @@ from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus
+from fairqueue.jobs.runtime import redis_client
 from fairqueue.jobs.submission import JobRequest, job_submit
 from tenants.models import Shard
 from tests.base import RedisTestCase
@@ -195,3 +196,90 @@ class CellsOnMainTransitionsTests(CellsTestCase):
         view = cells.cells_read()
         self.assertEqual(view.get(cells.parked_cell("acme", "default")).waiting, 0)
         self.assertEqual(view.get(cells.tenant_cell("acme", "default")).waiting, 1)  # the first one
+
+
+class CellsVersionTests(CellsTestCase):
+    """The summary's (epoch, version) moves with every change and only then, and a parse
+    from an earlier view equals one from nothing."""
+
+    def setUp(self) -> None:
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", max_concurrency=1)
+            self.other, _ = make_tenant("other", max_concurrency=1)
+
+    def submit(self, n: int, tenant: object = None, latency_class: str = "default") -> list[Job]:
+        with self.captureOnCommitCallbacks(execute=True):
+            return [
+                job_submit(tenant=tenant or self.tenant, req=JobRequest(task="demo.noop", priority=latency_class)).job
+                for _ in range(n)
+            ]
+
+    def version(self) -> list[str | None]:
+        return self.redis.mget(cells.EPOCH_KEY, cells.VERSION_KEY)  # type: ignore[return-value]
+
+    def test_the_version_moves_with_every_change_and_only_then(self) -> None:
+        jobs = self.submit(2)
+        first = self.version()
+        self.assertNotIn(None, first)
+        cells.jobs_leave(["no-such-job"])  # nothing to change
+        self.assertEqual(self.version(), first)
+        cells.jobs_leave([str(jobs[0].id)])
+        second = self.version()
+        self.assertEqual(second[0], first[0])
+        self.assertNotEqual(second[1], first[1])
+        # Redis lost the cells (or they were rebuilt): the count starts again, in a new epoch.
+        for key in self.redis.scan_iter(match="fq:{cells}:*"):
+            self.redis.delete(key)
+        cells.cells_rebuild()
+        third = self.version()
+        self.assertNotEqual(third[0], first[0])
+
+    def test_a_parse_from_an_earlier_view_equals_one_from_nothing(self) -> None:
+        jobs = self.submit(3) + self.submit(2, latency_class="critical") + self.submit(2, tenant=self.other)
+        before = cells.cells_read()
+        steps = [
+            lambda: cells.jobs_leave([str(jobs[0].id)]),  # acme: a default job leaves
+            lambda: cells.jobs_unpark([str(jobs[4].id)]),  # acme: a critical one unparked
+            lambda: cells.jobs_leave([str(j.id) for j in jobs[5:]]),  # other: everything leaves
+            lambda: self.submit(1, tenant=self.other, latency_class="low"),  # other: back, in a new class
+        ]
+        for step in steps:
+            step()
+            raw: dict[str, str] = redis_client().hgetall(cells.SUMMARY_KEY)  # type: ignore[assignment]  # text mode
+            kept, fresh = cells.cells_parse(raw, before), cells.cells_parse(raw)
+            self.assertEqual(kept.cells, fresh.cells)
+            self.assertEqual(kept.tenants, fresh.tenants)
+            # A tenant none of whose cells changed keeps its objects; `before` is left as it was.
+            for kind, by_tenant in kept.tenants.items():
+                for slug, classes in by_tenant.items():
+                    old = before.tenants[kind].get(slug)
+                    if old == classes:
+                        self.assertIs(old, classes)
+            self.assertEqual(before.cells, cells.cells_parse(before.raw).cells)
+            before = kept
+
+    def test_a_refresh_reads_the_cells_changed_since_a_kept_view(self) -> None:
+        jobs = self.submit(3) + self.submit(2, tenant=self.other, latency_class="critical")
+        view = cells.cells_refresh()
+        self.assertIs(cells.cells_refresh(view), view)  # nothing changed: the same view
+        steps = [
+            lambda: cells.jobs_leave([str(jobs[0].id)]),
+            lambda: cells.jobs_unpark([str(jobs[1].id), str(jobs[4].id)]),
+            lambda: cells.jobs_leave([str(j.id) for j in jobs[3:]]),
+            lambda: self.submit(2, tenant=self.other, latency_class="low"),
+        ]
+        for step in steps:
+            step()
+            refreshed, fresh = cells.cells_refresh(view), cells.cells_read()
+            self.assertEqual(refreshed.cells, fresh.cells)
+            self.assertEqual(refreshed.tenants, fresh.tenants)
+            self.assertEqual(refreshed.based_on, view.serial)  # from the changes log, not a full read
+            view = refreshed
+        # The log lost changes older than the kept view (trimmed): everything is read again.
+        cells.jobs_leave([str(jobs[2].id)])
+        version = self.redis.get(cells.VERSION_KEY)
+        self.redis.delete(cells.CHANGES_KEY)
+        self.redis.set(cells.TRIMMED_KEY, version)  # type: ignore[arg-type]
+        refreshed = cells.cells_refresh(view)
+        self.assertEqual(refreshed.cells, cells.cells_read().cells)
+        self.assertEqual(refreshed.tenants, cells.cells_read().tenants)

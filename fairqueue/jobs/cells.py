@@ -27,10 +27,11 @@ script, all the jobs of one call in it), beside the engine call it follows.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -48,6 +49,13 @@ PREFIX = "fq:{cells}:"
 SUMMARY_KEY = PREFIX + "summary"
 OF_KEY = PREFIX + "of"
 BUILT_KEY = PREFIX + "built"  # set once the cells were built from the database
+# Bumped by every script call that changes the summary, with an epoch that changes when
+# the count starts afresh: (epoch, version) equal means the summary is as it was. The
+# changes log scores each cell by the version of its last change (lua/cells.lua).
+VERSION_KEY = PREFIX + "version"
+EPOCH_KEY = PREFIX + "epoch"
+CHANGES_KEY = PREFIX + "changes"
+TRIMMED_KEY = PREFIX + "trimmed"  # the newest version that left the changes log
 OPS_PER_CALL = 500
 AUDIT_OLDEST = 5  # members of each shard cell checked against the database per audit
 # The tick's audit (incremental) checks a head job when it becomes one, then again about
@@ -197,6 +205,9 @@ def jobs_leave(job_ids: Iterable[str]) -> None:
     _safely("leave", [["del", str(i)] for i in job_ids])
 
 
+_serials: Iterator[int] = itertools.count()  # CellsView.serial
+
+
 class Cell(NamedTuple):
     # A tuple, not a dataclass: cells_parse makes one per cell, twenty thousand a second
     # at ten thousand tenants, and a frozen dataclass's constructor costs three times more.
@@ -210,6 +221,13 @@ class CellsView:
     # Tenant -> class -> cell, of its waiting ("t") and parked ("p") cells that hold a job:
     # a tenant with nothing waiting is absent (names are slugs: no "|").
     tenants: dict[str, dict[str, dict[str, Cell]]] = field(default_factory=dict)
+    raw: dict[str, str] = field(default_factory=dict)  # the summary as read (see cells_parse)
+    at: tuple[str, int] | None = None  # (epoch, version) it is as of, when known (cells_refresh)
+    serial: int = field(default_factory=lambda: next(_serials))
+    # The view this one was made from, by serial, and the (kind, tenant) pairs whose
+    # class dicts differ from that view's; None: made from nothing.
+    based_on: int | None = None
+    changed: frozenset[tuple[str, str]] | None = None
 
     def get(self, name: str) -> Cell:
         return self.cells.get(name, _EMPTY)
@@ -222,9 +240,22 @@ class CellsView:
 _EMPTY = Cell(0, None)
 
 
-def cells_parse(raw: dict[str, str]) -> CellsView:
+def _cell(value: str) -> Cell:
+    n, oldest = value.split(" ", 1)
+    return Cell(int(n), float(oldest))
+
+
+def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> CellsView:
     """The summary hash (HGETALL SUMMARY_KEY: cell -> "<count> <oldest score>") as cells,
-    in one pass (ten thousand tenants' cells each second)."""
+    in one pass (ten thousand tenants' cells each second).
+
+    With `previous` (the view of an earlier read), only the fields whose text changed are
+    parsed; the rest, and the class dicts of every tenant none of whose cells changed, are
+    `previous`'s own objects (a reader may compare them by identity). `previous` itself is
+    left as it was."""
+    if previous is not None and previous.raw:
+        changed = raw.items() - previous.raw.items()  # (name, value) pairs new or different
+        return _cells_update(previous, raw, changed, previous.raw.keys() - raw.keys(), at=None)
     out: dict[str, Cell] = {}
     tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
     for name, value in raw.items():
@@ -238,7 +269,76 @@ def cells_parse(raw: dict[str, str]) -> CellsView:
                 by_tenant[owner] = {cls: cell}
             else:
                 of_tenant[cls] = cell
-    return CellsView(out, tenants)
+    return CellsView(out, tenants, raw)
+
+
+def _cells_update(
+    previous: CellsView,
+    raw: dict[str, str],
+    changed: Iterable[tuple[str, str]],
+    gone: Iterable[str],
+    *,
+    at: tuple[str, int] | None,
+) -> CellsView:
+    out = dict(previous.cells)
+    tenants = {kind: dict(by_tenant) for kind, by_tenant in previous.tenants.items()}
+    copied: set[tuple[str, str]] = set()  # (kind, tenant) whose class dict is already a copy
+    updates: list[tuple[str, Cell | None]] = [(name, _cell(value)) for name, value in changed]
+    updates += [(name, None) for name in gone]
+    for name, cell in updates:
+        if cell is None:
+            out.pop(name, None)
+        else:
+            out[name] = cell
+        kind, owner, cls = name.split("|", 2)
+        by_tenant = tenants.get(kind)
+        if by_tenant is None:
+            continue
+        if (kind, owner) in copied:
+            of_tenant = by_tenant[owner]
+        else:  # previous's dict stays as it was
+            copied.add((kind, owner))
+            of_tenant = by_tenant[owner] = dict(by_tenant.get(owner) or {})
+        if cell is None:
+            of_tenant.pop(cls, None)
+        else:
+            of_tenant[cls] = cell
+    for kind, owner in copied:
+        if not tenants[kind][owner]:
+            del tenants[kind][owner]
+    return CellsView(out, tenants, raw, at, based_on=previous.serial, changed=frozenset(copied))
+
+
+def cells_refresh(previous: CellsView | None = None) -> CellsView:
+    """The cells now, read and parsed only as far as they changed since `previous` (a view
+    this function returned earlier, from any process's changes): one round trip when
+    nothing changed (the version), three when some cells did (the version, the changes
+    log since `previous`'s version, those cells), else one more read of the whole summary."""
+    client = redis_client()
+    epoch, version, trimmed = client.mget(EPOCH_KEY, VERSION_KEY, TRIMMED_KEY)  # type: ignore[misc]  # sync client
+    at = (str(epoch), int(version)) if epoch is not None and version is not None else None
+    kept = previous.at if previous is not None else None
+    if at is None or kept is None or previous is None or kept[0] != at[0] or kept[1] < int(trimmed or 0):
+        raw: dict[str, str] = client.hgetall(SUMMARY_KEY)  # type: ignore[assignment]  # a text-mode client
+        view = cells_parse(raw, previous)
+        return CellsView(view.cells, view.tenants, raw, at, based_on=view.based_on, changed=view.changed)
+    if kept[1] == at[1]:
+        return previous
+    # Cells changed after `kept` score above it (a change after `at` may be read too: it is
+    # read again next time, since the view is kept as of `at`).
+    names: list[str] = client.zrangebyscore(CHANGES_KEY, f"({kept[1]}", "+inf")  # type: ignore[assignment]
+    values: list[str | None] = client.hmget(SUMMARY_KEY, names) if names else []  # type: ignore[assignment]
+    raw = dict(previous.raw)
+    changed: list[tuple[str, str]] = []
+    gone: list[str] = []
+    for name, value in zip(names, values, strict=True):
+        if value is None:
+            if raw.pop(name, None) is not None:
+                gone.append(name)
+        elif raw.get(name) != value:
+            raw[name] = value
+            changed.append((name, value))
+    return _cells_update(previous, raw, changed, gone, at=at)
 
 
 def cells_read() -> CellsView:

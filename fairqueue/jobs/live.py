@@ -75,6 +75,9 @@ FAIR_SHARES_KEY = "fq:{limits}:fair_share"  # HASH slug -> max-min fair share of
 SHARD_CAPS_KEY = "fq:{limits}:shard_cap"  # HASH slug -> cap where its shard binds (tenants.limits.shard_caps)
 TICK_LIMITS_KEY = "fq:{limits}:tick_limit"  # HASH slug -> "<limit the tick set> <held elsewhere in it>"
 SHARES_MARKER_KEY = "fq:{limits}:published"  # the last publisher's token (see shares_publish)
+# A fresh token each time a publication changes a field of the four hashes (it expires
+# with them): a reader that kept them at one token needs not read them again while it stays.
+SHARES_VERSION_KEY = "fq:{limits}:version"
 # HASH "t:<slug>" / "s:<shard>" -> slots still held at a place a tenant or shard was moved
 # away from (fairqueue.jobs.moves publishes it; empty but during a move).
 HELD_ELSEWHERE_KEY = "fq:{limits}:held_elsewhere"
@@ -455,9 +458,15 @@ def signals_read_many(
     elsewhere from `fleet` (none without it) and no shares; tenants with equal signals
     share one object (fairqueue.jobs.limits_plan computes once per distinct object).
 
-    Reads only what may have moved (see `_rings_refresh`); a caller that asks every tick
-    keeps a `SignalsView`, which also redoes only the tenants that changed."""
-    return SignalsView().read(slugs, now=now, fleet=fleet)[0]
+    Reads only what may have moved (see `_rings_refresh`). Answers come from one view
+    shared by the callers of this function (the dashboard's snapshot and /metrics): while
+    a tenant's signals stay equal it gets the very same object from one call to the next,
+    so a reader of consecutive answers finds it unchanged by identity. The duty tick keeps
+    a `SignalsView` of its own, which also says which tenants changed."""
+    return _shared_view.read(slugs, now=now, fleet=fleet)[0]
+
+
+_shared_view = SignalsView()
 
 
 def record_finish(*, tenant_slug: str, seconds: float, batch: bool) -> None:
@@ -622,6 +631,7 @@ def shares_publish(
             TICK_LIMITS_KEY: {slug: f"{limit} {held}" for slug, (limit, held) in limits.items()},
         }
     pipe = client.pipeline(transaction=True)
+    written = False
     for key, new in values.items():
         if not (same and not full):
             old = {} if full else _publication.values.get(key, {})
@@ -633,8 +643,13 @@ def shares_publish(
             changed = {k: v for k, v in new.items() if old.get(k) != v}
             if changed:
                 pipe.hset(key, mapping=dict[Any, Any](changed))
+            written = written or full or bool(gone) or bool(changed)
         if new:
             pipe.expire(key, SHARES_TTL_SECONDS)
+    if written:
+        pipe.set(SHARES_VERSION_KEY, uuid.uuid4().hex, ex=SHARES_TTL_SECONDS)
+    else:
+        pipe.expire(SHARES_VERSION_KEY, SHARES_TTL_SECONDS)
     pipe.set(SHARES_MARKER_KEY, _publication.token, ex=SHARES_TTL_SECONDS)
     pipe.execute()
     if values is _publication.values:
