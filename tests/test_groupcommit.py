@@ -33,7 +33,7 @@ JOIN_SECONDS = 60
 
 
 def together(
-    calls: list[Callable[[Callable[[], None]], Any]], batcher: groupcommit.Batcher[Any]
+    calls: list[Callable[[Callable[[], None]], Any]], batcher: groupcommit.Batcher[Any, Any]
 ) -> tuple[list[Any], list[str]]:
     """Run each call in its own thread, all announced to `batcher` before any starts; each
     gets its `arrived`. Returns their results (an exception where one raised) and every
@@ -128,6 +128,28 @@ class GroupCommitTests(RedisTransactionTestCase):
         self.assertEqual(rows[twice.id].attempts, 1)
         self.assertEqual(rows[twice.id].worker, "a" if results[3] else "b")
         self.assertEqual(len(tl.steps(rows[twice.id].timeline)), 1)
+
+    def test_deliveries_read_at_once_read_their_rows_in_one_select(self) -> None:
+        fresh, stale, started, twice = self.jobs(4)
+        Job.objects.filter(id=stale.id).update(generation=1)
+        Job.objects.filter(id=started.id).update(status=JobStatus.RUNNING)
+        keys = [(fresh.id, 0), (stale.id, 0), (started.id, 0), (twice.id, 0), (twice.id, 0)]
+
+        def read(job_id: Any) -> Callable[[Callable[[], None]], Job | None]:
+            def call(arrived: Callable[[], None]) -> Job | None:
+                return groupcommit.reads.submit(
+                    (str(job_id), 0),
+                    alone=lambda: groupcommit.job_waiting(job_id=str(job_id), generation=0),
+                    arrived=arrived,
+                )
+
+            return call
+
+        results, statements = together([read(k) for k, _ in keys], groupcommit.reads)
+        self.assertEqual(len(statements), 1, statements)
+        self.assertEqual([r.id if r is not None else None for r in results], [fresh.id, None, None, twice.id, twice.id])
+        self.assertIsNot(results[3], results[4], "each thread changes its own instance")
+        self.assertEqual(results[0].tenant.shard.name, "default")  # read with its tenant and shard
 
     def test_a_lone_claim_sends_its_own_statement(self) -> None:
         (job,) = self.jobs(1)

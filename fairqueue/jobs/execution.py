@@ -91,10 +91,7 @@ def _delivery_run(
 def _delivery_run_expected(
     *, job_id: str, generation: int, worker: str, keep: KeepPick | None, inline: bool, arrived: Callable[[], None]
 ) -> tuple[str, Woken | None]:
-    waiting = [JobStatus.QUEUED, JobStatus.PARKED]
-    job = (
-        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
-    )
+    job = groupcommit.job_for_delivery(job_id=job_id, generation=generation)
     if job is None:
         # Stale generation, cancelled, or already run: the guard that makes it once.
         arrived()

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, TypeVar
@@ -47,6 +47,7 @@ from webhooks.outbox import event_record, job_finish, webhook_target
 log = logging.getLogger("fairqueue.jobs.groupcommit")
 
 T = TypeVar("T")
+R = TypeVar("R")
 MAX_BATCH = 64  # rows per statement: the process's threads, with room to spare
 CTE = "fq_v"  # the VALUES list's name in the statement
 ID_COL, GEN_COL, LINES_COL = "fq_id", "fq_gen", "fq_lines"
@@ -58,24 +59,24 @@ def window_seconds() -> float:
 
 
 @dataclass
-class _Batch(Generic[T]):
+class _Batch(Generic[T, R]):
     items: list[T] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
-    results: list[bool] | None = None
+    results: list[R] | None = None
     failed: BaseException | None = None
 
 
-class Batcher(Generic[T]):
-    """Gathers items from the process's threads into batches for `flush`, which returns,
-    for each item in order, whether its compare-and-set won (or raises: then each member
-    runs its `alone`)."""
+class Batcher(Generic[T, R]):
+    """Gathers items from the process's threads into batches for `flush`, which returns
+    each item's answer in order, e.g. whether its compare-and-set won (or raises: then
+    each member runs its `alone`)."""
 
-    def __init__(self, name: str, flush: Callable[[list[T]], list[bool]], *, max_batch: int = MAX_BATCH) -> None:
+    def __init__(self, name: str, flush: Callable[[list[T]], list[R]], *, max_batch: int = MAX_BATCH) -> None:
         self.name = name
         self._flush = flush
         self._max = max_batch
         self._cond = threading.Condition()
-        self._open: _Batch[T] | None = None
+        self._open: _Batch[T, R] | None = None
         self._flushing = False
         self._coming = 0  # threads announced (`expecting`) that have not arrived yet
 
@@ -99,10 +100,10 @@ class Batcher(Generic[T]):
         finally:
             withdraw()
 
-    def submit(self, item: T, *, alone: Callable[[], bool], arrived: Callable[[], None] | None = None) -> bool:
-        """Whether `item`'s compare-and-set won, sent in a batch with other threads' items
-        when there are any; `alone` is the item's own single statement. `arrived`
-        withdraws this thread's `expecting` announcement."""
+    def submit(self, item: T, *, alone: Callable[[], R], arrived: Callable[[], None] | None = None) -> R:
+        """`item`'s answer (whether its compare-and-set won), sent in a batch with other
+        threads' items when there are any; `alone` is the item's own single statement.
+        `arrived` withdraws this thread's `expecting` announcement."""
         window = window_seconds()
         if window <= 0:
             if arrived is not None:
@@ -199,12 +200,18 @@ def rows_update(
         if first.setdefault(_normal(change.job_id), i) == i:
             groups.setdefault(tuple(sorted(change.values)), []).append(i)
     won: set[uuid.UUID] = set()
-    with transaction.atomic(using=db) if len(groups) > 1 else nullcontext(), connection.cursor() as cursor:
+    with _atomic_if(len(groups) > 1, db), connection.cursor() as cursor:
         for names, members in groups.items():
             sql, params = _statement(connection, [changes[i] for i in members], names, statuses, expressions or {})
             cursor.execute(sql, params)
             won.update(_normal(row[0]) for row in cursor.fetchall())
     return [first[key] == i and key in won for i, key in enumerate(_normal(c.job_id) for c in changes)]
+
+
+def _atomic_if(needed: bool, db: str) -> AbstractContextManager[Any]:
+    """A transaction when `needed`; else none: one statement is atomic on its own, and
+    BEGIN and COMMIT would be two more round trips."""
+    return transaction.atomic(using=db) if needed else nullcontext()
 
 
 def _statement(
@@ -280,7 +287,7 @@ class Outcome:
 def _outcomes_flush(items: list[Outcome]) -> list[bool]:
     db = router.db_for_write(Job)
     events = any(webhook_target(item.job) for item in items)
-    with transaction.atomic(using=db) if events else nullcontext():
+    with _atomic_if(events, db):
         won = rows_update([item.change for item in items], statuses=[JobStatus.RUNNING])
         for item, ok in zip(items, won, strict=True):
             if ok and webhook_target(item.job):
@@ -291,8 +298,41 @@ def _outcomes_flush(items: list[Outcome]) -> list[bool]:
     return won
 
 
-claims: Batcher[RowChange] = Batcher("claims", _claims_flush)
-outcomes: Batcher[Outcome] = Batcher("outcomes", _outcomes_flush)
+def _reads_flush(keys: list[tuple[str, int]]) -> list[Job | None]:
+    rows = {
+        job.id: job
+        for job in Job.objects.select_related("tenant__shard").filter(
+            id__in={_normal(job_id) for job_id, _ in keys}, status__in=WAITING
+        )
+    }
+    out: list[Job | None] = []
+    given: set[uuid.UUID] = set()
+    for job_id, generation in keys:
+        key = _normal(job_id)
+        job = rows.get(key)
+        if job is None or job.generation != generation:
+            out.append(None)
+            continue
+        # Each thread gets its own instance to change (two deliveries of one job: rare).
+        out.append(copy.copy(job) if key in given else job)
+        given.add(key)
+    return out
+
+
+reads: Batcher[tuple[str, int], Job | None] = Batcher("reads", _reads_flush)
+claims: Batcher[RowChange, bool] = Batcher("claims", _claims_flush)
+outcomes: Batcher[Outcome, bool] = Batcher("outcomes", _outcomes_flush)
+
+
+def job_waiting(*, job_id: str, generation: int) -> Job | None:
+    """The row of a delivery, with its tenant and shard, if that generation still waits
+    (queued or parked): its own SELECT."""
+    return Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=WAITING).first()
+
+
+def job_for_delivery(*, job_id: str, generation: int) -> Job | None:
+    """`job_waiting`, read with the rows other threads read now, in one SELECT."""
+    return reads.submit((job_id, generation), alone=lambda: job_waiting(job_id=job_id, generation=generation))
 
 
 def job_claim(
