@@ -327,7 +327,9 @@ outcomes: Batcher[Outcome, bool] = Batcher("outcomes", _outcomes_flush)
 def job_waiting(*, job_id: str, generation: int) -> Job | None:
     """The row of a delivery, with its tenant and shard, if that generation still waits
     (queued or parked): its own SELECT."""
-    return Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=WAITING).first()
+    return (
+        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=WAITING).first()
+    )
 
 
 def job_for_delivery(*, job_id: str, generation: int) -> Job | None:
