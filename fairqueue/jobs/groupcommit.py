@@ -228,7 +228,12 @@ def _statement(
     typed = connection.vendor == "postgresql"  # a VALUES list's columns take their type from it
 
     def slot(f: Any) -> str:
-        return f"%s::{f.cast_db_type(connection)}" if typed else "%s"
+        if not typed:
+            return "%s"
+        # Text as text: an explicit cast to varchar(n) would cut a long value silently,
+        # where the single statement's assignment refuses it.
+        text = f.get_internal_type() in ("CharField", "TextField")
+        return f"%s::{'text' if text else f.cast_db_type(connection)}"
 
     row_sql = "(" + ", ".join([slot(pk), slot(gen), *(slot(f) for f in fields), slot(timeline)]) + ")"
     params: list[Any] = []
