@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 
 from django.conf import settings
 from django.db import connections, router, transaction
-from django.db.models import F, Value
+from django.db.models import F, Field, Value
 from django.db.models.functions import Coalesce
 
 from fairqueue.jobs import cells, stats
@@ -208,6 +208,13 @@ def rows_update(
     return [first[key] == i and key in won for i, key in enumerate(_normal(c.job_id) for c in changes)]
 
 
+def _field(name: str) -> Field[Any, Any]:
+    found = Job._meta.get_field(name)
+    if not isinstance(found, Field):  # a relation's reverse side: never one of these columns
+        raise TypeError(f"Job.{name} is not a column")
+    return found
+
+
 def _atomic_if(needed: bool, db: str) -> AbstractContextManager[Any]:
     """A transaction when `needed`; else none: one statement is atomic on its own, and
     BEGIN and COMMIT would be two more round trips."""
@@ -223,8 +230,8 @@ def _statement(
 ) -> tuple[str, list[Any]]:
     qn = connection.ops.quote_name
     table = qn(Job._meta.db_table)
-    fields = [Job._meta.get_field(name) for name in names]
-    pk, gen, timeline = Job._meta.pk, Job._meta.get_field("generation"), Job._meta.get_field("timeline")
+    fields = [_field(name) for name in names]
+    pk, gen, timeline = _field("id"), _field("generation"), _field("timeline")
     typed = connection.vendor == "postgresql"  # a VALUES list's columns take their type from it
 
     def slot(f: Any) -> str:
