@@ -63,7 +63,6 @@ class _Batch(Generic[T, R]):
     items: list[T] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     results: list[R] | None = None
-    failed: BaseException | None = None
 
 
 class Batcher(Generic[T, R]):
@@ -136,32 +135,27 @@ class Batcher(Generic[T, R]):
         if leader:
             try:
                 if len(batch.items) == 1:
-                    batch.failed = _Alone()
-                else:
+                    # Its own statement, as this kind's one in flight: threads arriving
+                    # meanwhile gather for the next batch (what makes batches under load).
+                    return alone()
+                try:
                     batch.results = self._flush(batch.items)
+                except Exception:  # nothing committed: every member runs its own statement instead
+                    stats.count(f"groupcommit:{self.name}:failed")
+                    log.warning("%s batch of %d failed; each runs alone", self.name, len(batch.items), exc_info=True)
+                else:
                     stats.count(f"groupcommit:{self.name}:batches")
                     stats.count(f"groupcommit:{self.name}:rows", len(batch.items))
-            except Exception as exc:  # every member runs its own statement instead
-                batch.failed = exc
-                stats.count(f"groupcommit:{self.name}:failed")
-                log.warning("%s batch of %d failed; each runs alone", self.name, len(batch.items), exc_info=True)
-            except BaseException as exc:  # the process is stopping: the members fend for themselves
-                batch.failed = exc
-                raise
-            finally:
+            finally:  # also on a BaseException (the process stopping): no member waits forever
                 with self._cond:
                     self._flushing = False
                     self._cond.notify_all()
                 batch.done.set()
         else:
             batch.done.wait()
-        if batch.results is None:  # a batch of one, or nothing of the batch committed
+        if batch.results is None:  # nothing of the batch committed
             return alone()
         return batch.results[index]
-
-
-class _Alone(Exception):
-    """A batch of one: its member runs its own statement."""
 
 
 def _normal(value: Any) -> uuid.UUID:
