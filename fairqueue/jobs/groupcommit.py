@@ -4,7 +4,8 @@ one conditional UPDATE in one transaction, and each thread learns whether its ow
 compare-and-set (id, generation, status) won, exactly as its own statement would have told it.
 
 Why: a no-op job's time on a worker went mostly to waiting for two commits (the claim, the
-outcome), each its own transaction and WAL flush. A batch of k turns those into 2/k.
+outcome), each its own transaction and WAL flush. A batch of k turns those into 2/k. The
+deliveries' row reads are gathered the same way (one SELECT for the batch).
 
 How a batch forms (classic leader/follower group commit, no thread of its own): the
 first thread to arrive leads; it sends the batch when no batch of this kind is in flight
