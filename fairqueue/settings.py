@@ -230,6 +230,10 @@ FAIRQUEUE = {
     # (fairqueue/apiserver.py); keep it below the database pool's size (FAIRQUEUE_DB_POOL_SIZE).
     "API_THREADS": env.int("FAIRQUEUE_API_THREADS", default=8),
     "POISON_PILL_LIMIT": env.int("FAIRQUEUE_POISON_PILL_LIMIT", default=3),
+    # Group commit (fairqueue/jobs/groupcommit.py): a worker process sends the claims (and,
+    # apart, the outcomes) its threads make at once as one statement; a batch waits at most
+    # this long for a thread on its way to it. 0 sends each job's own statement.
+    "GROUP_COMMIT_MS": env.float("FAIRQUEUE_GROUP_COMMIT_MS", default=2.0),
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),

@@ -74,7 +74,7 @@ BROKER_PREFIX = "fq:celery:"  # CELERY_BROKER_TRANSPORT_OPTIONS["global_keyprefi
 PRIORITY_STEPS = 10  # CELERY_BROKER_TRANSPORT_OPTIONS["priority_steps"]
 KOMBU_SEP = "\x06\x16"  # kombu's Redis transport: a priority list is queue + sep + level
 DATABASE_NAME = "fq_bench_throughput"
-PHASES = ("all", "single")
+PHASES = ("http", "noop")
 COUNT_DIR_ENV = "FAIRQUEUE_BENCH_QUERY_COUNT_DIR"  # settings installs fairqueue.bench.querycount
 
 
@@ -118,13 +118,14 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--database-name",
         default=DATABASE_NAME,
-        help="the database the bench (re)creates on --database-url's server (runs side by side need their own)",
+        help="the database the bench drops and creates on the --database-url server (two runs side by side)",
     )
     parser.add_argument(
         "--only",
         choices=PHASES,
-        default="all",
-        help="single: only the single-submit figures (closed loop and open loop); the others are null",
+        default=None,
+        help="run one part: `noop` (the no-op runs, plain Celery and FairQueue) or `http` (the submit figures); "
+        "the other part's figures are null",
     )
     stack.add_redis_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="worker processes for the no-op runs")
@@ -146,8 +147,8 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         redis_url=options["redis_url"],
         database_url=options.get("database_url"),
         database_name=options.get("database_name") or DATABASE_NAME,
-        only=options.get("only") or "all",
         sizes=sizes,
+        phases=(options["only"],) if options.get("only") else PHASES,
         force=options["force"],
         log=log,
     )
@@ -159,7 +160,7 @@ def run(
     database_url: str | None,
     sizes: Sizes,
     database_name: str = DATABASE_NAME,
-    only: str = "all",
+    phases: tuple[str, ...] = PHASES,
     force: bool = False,
     log: Log = print,
 ) -> dict[str, Any]:
@@ -179,7 +180,7 @@ def run(
             f"{sizes.workers} workers x {sizes.slots_per_worker} slots, {sizes.noop_jobs} no-op jobs per run"
         )
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"sizes": asdict(sizes), "only": only}))
+        spec.write_text(json.dumps({"sizes": asdict(sizes), "phases": list(phases)}))
         try:
             stack.run_child("fairqueue.bench.throughput", ["--child", str(spec), str(out)], env=env, timeout=1800)
             doc: dict[str, Any] = json.loads(out.read_text())
@@ -381,74 +382,108 @@ def child_main(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     sizes = Sizes(**spec["sizes"])
+    phases = spec["phases"]
     client = redis.Redis.from_url(settings.REDIS_URL)
     keys = _setup_policy()
     database = "postgresql" if connection.vendor == "postgresql" else "sqlite"
     result: dict[str, Any] = {"database": database}
     context: dict[str, Any] = {}
-    body = {"task": "demo.noop", "args": {}}
     log_dir = stack.BENCH_DIR / "logs" / "throughput"
     env = {**os.environ, COUNT_DIR_ENV: counts}
     with stack.GunicornServer(env=env, log_dir=log_dir, processes=sizes.web_processes) as web:
         base = web.base_url
-        redis_before = _commandstats(client)
-        sql_before = querycount.total(counts)
-        seconds = asyncio.run(
-            _closed_loop(
-                base, keys["single"], body, path="/api/v1/jobs", requests=sizes.single_requests, clients=CLIENTS
-            )
+        if "http" in phases:
+            _http_phases(base, keys, sizes, client, counts, result, context)
+        if "noop" in phases:
+            _noop_phases(base, keys, sizes, client, counts, env, log_dir, result, context)
+    if "noop" in phases:
+        context["no-op ratio fairqueue / celery"] = round(
+            result["noop_jobs_per_s_fairqueue"] / result["noop_jobs_per_s_celery"], 3
         )
-        result["single_http_jobs_per_s"] = round(sizes.single_requests / seconds, 1)
-        context["single submit: redis commands per request (incl. warm-up)"] = round(
-            _redis_commands_between(redis_before, _commandstats(client)) / (sizes.single_requests + CLIENTS), 2
-        )
-        context["single submit: SQL statements per request (incl. warm-up)"] = round(
-            (querycount.total(counts) - sql_before) / (sizes.single_requests + CLIENTS), 2
-        )
-        latencies = asyncio.run(
-            _open_loop(base, keys["latency"], body, rate=OPEN_LOOP_RATE, seconds=sizes.open_loop_seconds)
-        )
-        result["single_http_p50_ms_at_200"] = round(statistics.median(latencies), 2)
-        result["single_http_p99_ms_at_200"] = round(_percentile(latencies, 99), 2)
-        context["open loop: requests, max ms"] = f"{len(latencies)}, {max(latencies):.1f}"
-        if spec.get("only") == "single":
-            context["sizes"] = asdict(sizes)
-            Path(out_path).write_text(json.dumps({"result": result, "context": context}))
-            return
-        bulk_body = {"jobs": [body] * BULK_SIZE}
-        seconds = asyncio.run(
-            _closed_loop(
-                base,
-                keys["bulk"],
-                bulk_body,
-                path="/api/v1/jobs/bulk",
-                requests=sizes.bulk_requests,
-                clients=BULK_CLIENTS,
-            )
-        )
-        result["bulk_http_jobs_per_s"] = round(sizes.bulk_requests * BULK_SIZE / seconds, 1)
-
-        _reset(client)
-        workers = stack.Workers(
-            count=sizes.workers, slots=sizes.slots_per_worker, env=env, log_dir=log_dir, name="bench-throughput-"
-        )
-        with workers:
-            time.sleep(1.5)  # every worker's first heartbeat and tick landed
-            seconds = _noop_celery(client, sizes.noop_jobs)
-            result["noop_jobs_per_s_celery"] = round(sizes.noop_jobs / seconds, 1)
-            redis_before = _commandstats(client)
-            sql_before = querycount.total(counts)
-            seconds = _noop_fairqueue(base, keys["noop"], sizes.noop_jobs, timeout=600)
-            redis_cmds = _redis_commands_between(redis_before, _commandstats(client))
-            sql = querycount.total(counts) - sql_before
-        result["noop_jobs_per_s_fairqueue"] = round(sizes.noop_jobs / seconds, 1)
-        result["redis_cmds_per_job"] = round(redis_cmds / sizes.noop_jobs, 2)
-        result["db_queries_per_job"] = round(sql / sizes.noop_jobs, 2)
-    context["no-op ratio fairqueue / celery"] = round(
-        result["noop_jobs_per_s_fairqueue"] / result["noop_jobs_per_s_celery"], 3
-    )
     context["sizes"] = asdict(sizes)
     Path(out_path).write_text(json.dumps({"result": result, "context": context}))
+
+
+def _http_phases(
+    base: str,
+    keys: dict[str, str],
+    sizes: Sizes,
+    client: redis.Redis,
+    counts: str,
+    result: dict[str, Any],
+    context: dict[str, Any],
+) -> None:
+    body = {"task": "demo.noop", "args": {}}
+    redis_before = _commandstats(client)
+    sql_before = querycount.total(counts)
+    seconds = asyncio.run(
+        _closed_loop(base, keys["single"], body, path="/api/v1/jobs", requests=sizes.single_requests, clients=CLIENTS)
+    )
+    result["single_http_jobs_per_s"] = round(sizes.single_requests / seconds, 1)
+    context["single submit: redis commands per request (incl. warm-up)"] = round(
+        _redis_commands_between(redis_before, _commandstats(client)) / (sizes.single_requests + CLIENTS), 2
+    )
+    context["single submit: SQL statements per request (incl. warm-up)"] = round(
+        (querycount.total(counts) - sql_before) / (sizes.single_requests + CLIENTS), 2
+    )
+    latencies = asyncio.run(
+        _open_loop(base, keys["latency"], body, rate=OPEN_LOOP_RATE, seconds=sizes.open_loop_seconds)
+    )
+    result["single_http_p50_ms_at_200"] = round(statistics.median(latencies), 2)
+    result["single_http_p99_ms_at_200"] = round(_percentile(latencies, 99), 2)
+    context["open loop: requests, max ms"] = f"{len(latencies)}, {max(latencies):.1f}"
+    bulk_body = {"jobs": [body] * BULK_SIZE}
+    seconds = asyncio.run(
+        _closed_loop(
+            base,
+            keys["bulk"],
+            bulk_body,
+            path="/api/v1/jobs/bulk",
+            requests=sizes.bulk_requests,
+            clients=BULK_CLIENTS,
+        )
+    )
+    result["bulk_http_jobs_per_s"] = round(sizes.bulk_requests * BULK_SIZE / seconds, 1)
+
+
+def _noop_phases(
+    base: str,
+    keys: dict[str, str],
+    sizes: Sizes,
+    client: redis.Redis,
+    counts: str,
+    env: dict[str, str],
+    log_dir: Path,
+    result: dict[str, Any],
+    context: dict[str, Any],
+) -> None:
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
+    from fairqueue.jobs.stats import stats_read
+
+    _reset(client)
+    workers = stack.Workers(
+        count=sizes.workers, slots=sizes.slots_per_worker, env=env, log_dir=log_dir, name="bench-throughput-"
+    )
+    with workers:
+        time.sleep(1.5)  # every worker's first heartbeat and tick landed
+        seconds = _noop_celery(client, sizes.noop_jobs)
+        result["noop_jobs_per_s_celery"] = round(sizes.noop_jobs / seconds, 1)
+        redis_before = _commandstats(client)
+        sql_before = querycount.total(counts)
+        seconds = _noop_fairqueue(base, keys["noop"], sizes.noop_jobs, timeout=600)
+        redis_cmds = _redis_commands_between(redis_before, _commandstats(client))
+        sql = querycount.total(counts) - sql_before
+        time.sleep(1.5)  # the workers' counters reach Redis with their next heartbeat
+        counters = stats_read()
+    result["noop_jobs_per_s_fairqueue"] = round(sizes.noop_jobs / seconds, 1)
+    result["redis_cmds_per_job"] = round(redis_cmds / sizes.noop_jobs, 2)
+    result["db_queries_per_job"] = round(sql / sizes.noop_jobs, 2)
+    for kind in ("claims", "outcomes"):
+        batches = counters.get(f"groupcommit:{kind}:batches", 0.0)
+        rows = counters.get(f"groupcommit:{kind}:rows", 0.0)
+        context[f"group commit: {kind} batched (of {sizes.noop_jobs}), batches, failed"] = (
+            f"{rows:.0f}, {batches:.0f}, {counters.get(f'groupcommit:{kind}:failed', 0.0):.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -14,18 +14,17 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from django.conf import settings
-from django.db.models import F, Value
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
-from fairqueue.jobs import cells, handback, live, payloads, stats
+from fairqueue.jobs import groupcommit, handback, live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -40,7 +39,6 @@ from fairqueue.jobs.retries import attempt_end_fields
 from fairqueue.jobs.retry_policy import NO_RETRY
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout, failure_reason
-from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
@@ -83,12 +81,20 @@ def _delivery_run(
 ) -> tuple[str, Woken | None]:
     """Run one job; returns what happened and the woken job `keep` picked to run next.
     `inline`: the job was handed this slot by the release before it, with no delivery."""
-    waiting = [JobStatus.QUEUED, JobStatus.PARKED]
-    job = (
-        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=waiting).first()
-    )
+    # On its way to a claim: a claim batch forming now waits a moment for it.
+    with groupcommit.claims.expecting() as arrived:
+        return _delivery_run_expected(
+            job_id=job_id, generation=generation, worker=worker, keep=keep, inline=inline, arrived=arrived
+        )
+
+
+def _delivery_run_expected(
+    *, job_id: str, generation: int, worker: str, keep: KeepPick | None, inline: bool, arrived: Callable[[], None]
+) -> tuple[str, Woken | None]:
+    job = groupcommit.job_for_delivery(job_id=job_id, generation=generation)
     if job is None:
         # Stale generation, cancelled, or already run: the guard that makes it once.
+        arrived()
         return "skipped", _release_if_finished(job_id, generation, keep)
     # In the job's own trace: under the broker delivery's span when it came through the
     # broker, else (an inline handoff) under its submit, linked to the job before it.
@@ -106,12 +112,16 @@ def _delivery_run(
         worker=worker,
         inline=inline,
     ):
-        outcome, kept = _job_run(job, worker=worker, keep=keep, inline=inline)
+        outcome, kept = _job_run(job, worker=worker, keep=keep, inline=inline, arrived=arrived)
         tracing.set_attributes(outcome=outcome)
         return outcome, kept
 
 
-def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> tuple[str, Woken | None]:
+def _job_run(
+    job: Job, *, worker: str, keep: KeepPick | None, inline: bool, arrived: Callable[[], None]
+) -> tuple[str, Woken | None]:
+    """`arrived`: this thread comes to no claim batch after all (called by the claim, or
+    on any way out before it)."""
     job_id, generation = str(job.id), job.generation
     waiting = [JobStatus.QUEUED, JobStatus.PARKED]
     if not job.engine_tag:  # a row from before placements were stored
@@ -123,6 +133,7 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
     # Rolling deploys: a job this worker's version cannot run goes back for another worker.
     cannot = handback.refusal(job)
     if cannot:
+        arrived()
         return handback.hand_back(job, cannot, worker=worker), None
     # Shorten the hold from the dispatch lease to the running one *before* claiming the job:
     # a worker killed between the two then leaves a queued job whose hold runs out within
@@ -135,6 +146,7 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
             raise redis.ConnectionError("worker fenced: its lease renewals are not confirmed")
         renewed = engine().renew(tag=tag, job_id=job.engine_id, lease_seconds=lease)
     except redis.RedisError:
+        arrived()
         # Whether we hold the slot is unknown until Redis is back: hand the job to the
         # pending sweep, which admits it again (or finds it held) and publishes it then.
         Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
@@ -144,6 +156,7 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
         )
         return "engine_unreachable", None
     if not renewed:
+        arrived()
         # The hold was reclaimed before we started (the dispatch lease ran out): the job has
         # been or will be re-delivered under a new generation.
         return "lost", None
@@ -151,19 +164,15 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
     steps = [tl.line(tl.STARTED, worker, at=now)]
     if inline:  # handed this slot by a release: nobody else writes its wake-up
         steps.insert(0, tl.line(tl.WOKEN, "inline", at=now))
-    claimed = Job.objects.filter(id=job_id, generation=generation, status__in=waiting).update(
-        status=JobStatus.RUNNING,
-        started_at=now,
-        admitted_at=Coalesce("admitted_at", Value(now)),
-        attempts=F("attempts") + 1,
-        worker=worker,
-        timeline=tl.appended(*steps),
+
+    # The compare-and-set, sent with the claims other threads make now (groupcommit).
+    claimed = groupcommit.job_claim(
+        job_id=job_id, generation=generation, worker=worker, now=now, lines="".join(steps), arrived=arrived
     )
     if not claimed:
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     tracing.event("started", attempt=job.attempts + 1, worker=worker)
     tracing.job_span_hold(job.engine_id)
-    cells.jobs_leave([str(job.id)])
     # The row is as read above (the claim's filter guarantees it) but for what the claim set;
     # the task reads its attempt number.
     job.attempts += 1
@@ -247,18 +256,20 @@ def _job_run(job: Job, *, worker: str, keep: KeepPick | None, inline: bool) -> t
     if fields["status"] == JobStatus.RETRYING:
         outcome = "retrying"
         due_at = fields["due_at"].isoformat(timespec="milliseconds")
-        fields["timeline"] = tl.appended(
+        lines = [
             tl.line(tl.ATTEMPT_FAILED, f"{job.attempts} {fields['error_reason']}", at=finished),
             tl.line(tl.RETRY_SCHEDULED, due_at, at=finished),
-        )
+        ]
         tracing.event("attempt failed", attempt=job.attempts, reason=fields["error_reason"], lost=lost)
         tracing.event("retry scheduled", due_at=due_at)
     else:
-        fields["timeline"] = tl.appended(tl.line(tl.FINISHED, fields["status"], at=finished))
+        lines = [tl.line(tl.FINISHED, fields["status"], at=finished)]
         tracing.event("finished", status=str(fields["status"]), lost=lost)
     if lost:
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
-    if job_finish(job, where={"id": job_id, "generation": generation, "status": JobStatus.RUNNING}, fields=fields):
+    # The compare-and-set on `running` that makes the attempt's end final, sent with the
+    # outcomes other threads record now (groupcommit); alone, its own statement (job_finish).
+    if groupcommit.job_outcome(job, fields=fields, lines=lines):
         stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
         if job.resources and fields["status"] == JobStatus.SUCCEEDED:
             job_resources_succeeded(job)
