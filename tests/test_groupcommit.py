@@ -32,6 +32,37 @@ WINDOW_MS = {"GROUP_COMMIT_MS": 20_000.0}
 JOIN_SECONDS = 60
 
 
+REFUSED_WORKER = "refused-worker"
+
+
+def refuse_trigger(worker: str) -> None:
+    """Make the database refuse any UPDATE of a job row that sets `worker` to this name."""
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "CREATE FUNCTION fq_test_refuse() RETURNS trigger AS $$ BEGIN "
+                f"IF NEW.worker = '{worker}' THEN RAISE EXCEPTION 'refused by the test'; END IF; "
+                "RETURN NEW; END $$ LANGUAGE plpgsql"
+            )
+            cursor.execute(
+                "CREATE TRIGGER fq_test_refuse BEFORE UPDATE ON jobs_job FOR EACH ROW EXECUTE FUNCTION fq_test_refuse()"
+            )
+        else:
+            cursor.execute(
+                f"CREATE TRIGGER fq_test_refuse BEFORE UPDATE ON jobs_job WHEN NEW.worker = '{worker}' "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+            )
+
+
+def drop_refuse_trigger() -> None:
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute("DROP TRIGGER IF EXISTS fq_test_refuse ON jobs_job")
+            cursor.execute("DROP FUNCTION IF EXISTS fq_test_refuse()")
+        else:
+            cursor.execute("DROP TRIGGER IF EXISTS fq_test_refuse")
+
+
 def together(
     calls: list[Callable[[Callable[[], None]], Any]], batcher: groupcommit.Batcher[Any, Any]
 ) -> tuple[list[Any], list[str]]:
@@ -196,11 +227,12 @@ class GroupCommitTests(RedisTransactionTestCase):
         self.assertEqual(list(WebhookEvent.objects.values_list("job_id", "type")), [(hooked.id, "job.succeeded")])
 
     def test_a_batch_the_database_refuses_ends_each_member_as_its_own_statement_would(self) -> None:
-        if connection.vendor != "postgresql":
-            self.skipTest("needs a value PostgreSQL refuses and SQLite stores (a too long varchar)")
+        # A trigger that refuses one worker's name: the database then refuses the whole
+        # batched statement, and only that member's own statement.
+        refuse_trigger(REFUSED_WORKER)
+        self.addCleanup(drop_refuse_trigger)
         jobs = self.jobs(3)
-        too_long = "w" * 300  # `worker` is varchar(200): PostgreSQL refuses the whole statement
-        calls = [claim(str(jobs[0].id), 0), claim(str(jobs[1].id), 0, worker=too_long), claim(str(jobs[2].id), 0)]
+        calls = [claim(str(jobs[0].id), 0), claim(str(jobs[1].id), 0, worker=REFUSED_WORKER), claim(str(jobs[2].id), 0)]
         results, statements = together(calls, groupcommit.claims)
         self.assertEqual(results[0], True)
         self.assertIsInstance(results[1], DatabaseError)
