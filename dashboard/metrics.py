@@ -196,29 +196,23 @@ class _AllButTenantFamilies:
                 yield family
 
 
+# The per-tenant gauges: the snapshot row's field, which names the metric, and its help.
+TENANT_GAUGES = (
+    ("in_flight", "Jobs holding a tenant's slots."),
+    ("limit", "A tenant's current concurrency limit."),
+    ("parked", "A tenant's jobs parked for a slot."),
+)
+
+
 def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Metric]:
     """The metric families for one snapshot and one read of the stats hash."""
     # Three samples per tenant (thirty thousand at ten thousand tenants), kept as columns.
     rows = snapshot["tenants"]
     slugs = [t["slug"] for t in rows]
-    in_flight = TenantGaugeFamily(
-        "fairqueue_tenant_in_flight",
-        "Jobs holding a tenant's slots.",
-        tenants=slugs,
-        values=[t["in_flight"] for t in rows],
-    )
-    limit = TenantGaugeFamily(
-        "fairqueue_tenant_limit",
-        "A tenant's current concurrency limit.",
-        tenants=slugs,
-        values=[t["limit"] for t in rows],
-    )
-    parked = TenantGaugeFamily(
-        "fairqueue_tenant_parked",
-        "A tenant's jobs parked for a slot.",
-        tenants=slugs,
-        values=[t["parked"] for t in rows],
-    )
+    per_tenant = [
+        TenantGaugeFamily(f"fairqueue_tenant_{field}", documentation, tenants=slugs, values=[t[field] for t in rows])
+        for field, documentation in TENANT_GAUGES
+    ]
     oldest = GaugeMetricFamily(
         "fairqueue_queue_oldest_wait_seconds",
         "Age of the oldest job not yet started per shard and latency class (0 when none waits).",
@@ -267,9 +261,7 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
     families = [offered, configured, backpressure, *_capacity_families(snapshot.get("capacity"))]
     return [
         *families,
-        in_flight,
-        limit,
-        parked,
+        *per_tenant,
         oldest,
         objective,
         waiting,
