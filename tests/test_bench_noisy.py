@@ -132,3 +132,27 @@ class BenchNoisySmokeTests(SimpleTestCase):
         self.assertIn("workload", doc)
         self.assertIn("PASS" if doc["all_targets_met"] else "MISS", done.stdout)
         self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")
+
+    def test_smoke_run_over_http_sends_every_job_through_the_rest_api(self) -> None:
+        url = bench_redis_url()
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "noisy.json"
+            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
+            done = subprocess.run(
+                [sys.executable, "manage.py", "bench", "noisy", "--smoke", "--submit", "http", "--modes", "fair"]
+                + ["--redis-url", url, "--json", str(out)],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
+            doc = json.loads(out.read_text())
+        self.assertEqual(doc["submit"], "http")
+        fair = doc["modes"]["fair"]
+        # Every planned job was accepted by the API (a refused request fails the run) and ran once.
+        self.assertEqual(fair["jobs"], doc["workload"]["jobs_planned"])
+        self.assertEqual(fair["failed"], 0)
+        self.assertIn("client's clock", doc["definitions"]["wait"])
+        self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")

@@ -15,7 +15,12 @@ thread slots):
   database shard is the limit.
 
 FairQueue modes submit through `job_submit` / `job_submit_bulk`, the functions behind
-`POST /api/v1/jobs` and `/jobs/bulk`, as task `demo.sleep`.
+`POST /api/v1/jobs` and `/jobs/bulk`, as task `demo.sleep`. With ``--submit http`` they go
+through the REST API instead, as a customer sending documents one by one would: a
+production web server (gunicorn + uvicorn) in front, every job its own `POST /api/v1/jobs`
+(each steady tenant on one keep-alive connection, the burst's chunks over
+``BURST_HTTP_CLIENTS`` connections at once), and a job's wait counts from just before its
+request was sent, so time spent in the web server is part of it.
 
 Each mode runs in a child process (``python -m fairqueue.bench.noisy --child ...``)
 whose environment points Django at that mode's database and Redis; the child seeds the
@@ -40,6 +45,8 @@ Definitions (all times are wall-clock unix seconds on one host):
 from __future__ import annotations
 
 import bisect
+import contextlib
+import http.client
 import json
 import math
 import os
@@ -47,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -69,6 +77,9 @@ SHARD_NAME = "bench"
 SHARD_CAPACITY = 10_000  # the shard key must not be what throttles anyone here (but in fair_shared_shard)
 FIFO_QUEUE = JOBS_QUEUE
 TRACE_INTERVAL_S = 0.25
+SUBMIT_WAYS = ("direct", "http")
+BURST_HTTP_CLIENTS = 8  # connections the noisy customer's burst is sent over with --submit http
+HTTP_TIMEOUT_S = 60.0
 REQUIRED_EXTRAS = ("numpy",)  # the workload and the percentiles
 PLOT_EXTRAS = ("matplotlib",)  # --plot
 
@@ -330,6 +341,13 @@ def add_arguments(parser: Any) -> None:
         "database fq_bench_<mode> on it instead of a SQLite file",
     )
     parser.add_argument(
+        "--submit",
+        choices=SUBMIT_WAYS,
+        default="direct",
+        help="how FairQueue modes submit: 'direct' calls the submit service in process; 'http' sends one "
+        "POST /api/v1/jobs per job to a production web server (gunicorn + uvicorn) the run starts",
+    )
+    parser.add_argument(
         "--broker-url",
         dest="broker_urls",
         action="append",
@@ -359,6 +377,7 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         workers=options.get("workers"),
         slots_per_worker=options.get("slots_per_worker"),
         broker_urls=options.get("broker_urls") or (),
+        submit=options.get("submit") or "direct",
         log=log,
     )
 
@@ -399,6 +418,7 @@ def run(
     workers: int | None = None,
     slots_per_worker: int | None = None,
     broker_urls: Sequence[str] = (),
+    submit: str = "direct",
     log: Log = print,
 ) -> dict[str, Any]:
     """Run every mode on a fresh stack (on each broker); return the result document."""
@@ -418,7 +438,10 @@ def run(
     work_dir.mkdir(parents=True, exist_ok=True)
     template = work_dir / "noisy-template.sqlite3"
     started = time.monotonic()
-    log(f"bench noisy ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots, seed {workload.seed}")
+    log(
+        f"bench noisy ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots, "
+        f"seed {workload.seed}, submit {submit}"
+    )
     if database_url is None:
         stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
     by_broker: dict[str, dict[str, dict[str, Any]]] = {name: {} for name, _ in brokers}
@@ -448,7 +471,7 @@ def run(
                 with tempfile.TemporaryDirectory() as tmp:
                     spec = Path(tmp) / "spec.json"
                     out = Path(tmp) / "out.json"
-                    spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload)}))
+                    spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload), "submit": submit}))
                     stack.run_child(
                         "fairqueue.bench.noisy", ["--child", str(spec), str(out)], env=env, timeout=_timeout(workload)
                     )
@@ -475,9 +498,11 @@ def run(
         "modes": results,
         "workload": {**asdict(workload), "preset": preset, "slots": workload.slots, "jobs_planned": None},
         "database": "postgresql" if database_url else "sqlite",
+        "submit": submit,
         "broker": REDIS_BROKER,  # of "modes" and "targets"; "brokers" has every broker's figures
         "definitions": {
-            "wait": "started - submitted (FairQueue: Job.started_at - Job.submitted_at)",
+            "wait": "started - submitted (FairQueue: Job.started_at - Job.submitted_at; with --submit http, "
+            "submitted is the client's clock just before the request)",
             "utilization": f"busy slot-seconds (task bodies) inside backlog periods / (slots x backlog seconds); "
             f"a job is backlogged from submitted + {BACKLOG_GRACE_S}s until it starts",
             "makespan": "last noisy finish - first noisy submit",
@@ -602,7 +627,8 @@ def plot(raw: dict[str, list[dict[str, Any]]], path: str, *, title: str) -> None
 # --- one mode (the child process, Django configured for its own stack) -----------------------------
 
 
-def _policy_setup(mode: str, w: Workload) -> None:
+def _policy_setup(mode: str, w: Workload) -> dict[str, str]:
+    """The mode's shard and tenants; returns each tenant's raw API key (slug -> key)."""
     # Django's models exist only after django.setup() in the child (child_main): imported here.
     from tenants.models import PoolSettings, Shard, Tenant
     from tenants.sync import policy_sync_all
@@ -611,29 +637,58 @@ def _policy_setup(mode: str, w: Workload) -> None:
     shard = Shard.objects.create(name=SHARD_NAME, capacity=capacity)
     slugs = [f"{QUIET_PREFIX}{i + 1}" for i in range(w.quiet_tenants)] + [NOISY_SLUG]
     pool = PoolSettings.load()
+    keys: dict[str, str] = {}
+    for slug in slugs:
+        tenant = Tenant(slug=slug, name=slug, shard=shard)
+        if mode == "isolation":
+            share = max(w.slots // w.tenants, 1)
+            tenant.floor = tenant.max_concurrency = share
+            tenant.burst_floor, tenant.burst_pct = 0, 0.0
+        # fair, fair_no_burst, fair_shared_shard: the defaults (fifo never reads policy)
+        keys[slug] = tenant.rotate_api_key()
+        tenant.save()
     if mode == "isolation":
-        share = max(w.slots // w.tenants, 1)
-        for slug in slugs:
-            Tenant.objects.create(
-                slug=slug, name=slug, shard=shard, floor=share, burst_floor=0, burst_pct=0.0, max_concurrency=share
-            )
         pool.f_min = pool.f_max = 1.0
-    else:  # fair, fair_no_burst, fair_shared_shard (fifo never reads policy, but the rows do no harm)
-        for slug in slugs:
-            Tenant.objects.create(slug=slug, name=slug, shard=shard)
     pool.save()
     policy_sync_all()
+    return keys
 
 
 class _Recorder:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.fifo_submitted: dict[str, tuple[str, float, float]] = {}  # id -> (tenant, submitted, seconds)
+        self.http_submitted: dict[str, float] = {}  # --submit http: job id -> client clock before the request
         self.errors: list[str] = []
 
 
-def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
-    """Submit the plan in real time: a thread per steady tenant, one for the burst."""
+class _HttpClient:
+    """One keep-alive connection to the web server, as one customer's client (one thread)."""
+
+    def __init__(self, base_url: str, api_key: str, rec: _Recorder) -> None:
+        parsed = urllib.parse.urlsplit(base_url)
+        self.conn = http.client.HTTPConnection(parsed.hostname or "127.0.0.1", parsed.port, timeout=HTTP_TIMEOUT_S)
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+        self.rec = rec
+
+    def submit(self, seconds: float) -> None:
+        body = json.dumps({"task": "demo.sleep", "args": {"seconds": seconds}})
+        sent = time.time()
+        self.conn.request("POST", "/api/v1/jobs", body=body, headers=self.headers)
+        response = self.conn.getresponse()
+        answer = response.read()
+        if response.status != 202:
+            raise RuntimeError(f"POST /api/v1/jobs: HTTP {response.status}: {answer[:200]!r}")
+        with self.rec.lock:
+            self.rec.http_submitted[json.loads(answer)["id"]] = sent
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _drive(mode: str, plan: list[Planned], rec: _Recorder, *, base_url: str | None, keys: dict[str, str]) -> None:
+    """Submit the plan in real time: a thread per steady tenant, one for the burst.
+    `base_url`: FairQueue modes send each job to the REST API there (--submit http)."""
     # Django's models exist only after django.setup() in the child (child_main): imported here.
     from django.db import connections
 
@@ -657,27 +712,60 @@ def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
         with rec.lock:
             rec.fifo_submitted[job_id] = (tenant, submitted, seconds)
 
+    use_http = base_url is not None and mode != "fifo"
+
     def steady(items: list[Planned]) -> None:
+        client = _HttpClient(base_url, keys[items[0].tenant], rec) if use_http and base_url else None
         try:
             for p in items:
                 wait_until(p.at)
                 if mode == "fifo":
                     fifo_send(p.tenant, p.seconds)
+                elif client is not None:
+                    client.submit(p.seconds)
                 else:
                     job_submit(tenant=tenants[p.tenant], req=JobRequest(task="demo.sleep", args={"seconds": p.seconds}))
         except Exception as exc:  # surfaced by the child's exit status
             rec.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
+            if client is not None:
+                client.close()
             connections.close_all()
 
+    def burst_http(chunk: list[Planned], clients: list[_HttpClient]) -> None:
+        """One chunk as single submits, spread over the burst's connections at once."""
+
+        def send(client: _HttpClient, items: list[Planned]) -> None:
+            try:
+                for p in items:
+                    client.submit(p.seconds)
+            except Exception as exc:
+                rec.errors.append(f"{type(exc).__name__}: {exc}")
+
+        senders = [
+            threading.Thread(target=send, args=(client, chunk[i :: len(clients)]), name=f"bench-burst-{i}")
+            for i, client in enumerate(clients)
+        ]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+
     def burst(items: list[Planned]) -> None:
+        clients = (
+            [_HttpClient(base_url, keys[NOISY_SLUG], rec) for _ in range(BURST_HTTP_CLIENTS)]
+            if use_http and base_url
+            else []
+        )
         try:
             chunks: dict[int, list[Planned]] = {}
             for p in items:
                 chunks.setdefault(p.chunk, []).append(p)
             for _, chunk in sorted(chunks.items()):
                 wait_until(chunk[0].at)
-                if mode == "fifo":
+                if clients:
+                    burst_http(chunk, clients)
+                elif mode == "fifo":
                     for p in chunk:
                         fifo_send(p.tenant, p.seconds)
                 else:
@@ -688,6 +776,8 @@ def _drive(mode: str, plan: list[Planned], rec: _Recorder) -> None:
         except Exception as exc:
             rec.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
+            for client in clients:
+                client.close()
             connections.close_all()
 
     by_tenant: dict[str, list[Planned]] = {}
@@ -749,13 +839,24 @@ def _trace_summary(samples: list[dict[str, Any]], slots: int) -> dict[str, Any] 
     }
 
 
-def _fairqueue_records() -> list[dict[str, Any]]:
+def _fairqueue_records(client_submitted: dict[str, float]) -> list[dict[str, Any]]:
+    """Per-job timings from the rows; `client_submitted` (--submit http): job id -> the
+    client's clock before its request, which stands for the job's submit time."""
     # Django's models exist only after django.setup() in the child (child_main): imported here.
     from fairqueue.jobs.models import Job, JobStatus
 
     out = []
     for j in Job.objects.values(
-        "tenant__slug", "submitted_at", "admitted_at", "started_at", "finished_at", "status", "args", "result", "worker"
+        "id",
+        "tenant__slug",
+        "submitted_at",
+        "admitted_at",
+        "started_at",
+        "finished_at",
+        "status",
+        "args",
+        "result",
+        "worker",
     ):
         result = j["result"] or {}
         run_started = datetime.fromisoformat(result["started"]).timestamp() if "started" in result else None
@@ -766,7 +867,7 @@ def _fairqueue_records() -> list[dict[str, Any]]:
             {
                 "tenant": j["tenant__slug"],
                 "seconds": j["args"].get("seconds", 0.0),
-                "submitted": j["submitted_at"].timestamp(),
+                "submitted": client_submitted.get(str(j["id"]), j["submitted_at"].timestamp()),
                 "admitted": j["admitted_at"].timestamp() if j["admitted_at"] else None,
                 "started": started,
                 "finished": finished,
@@ -833,24 +934,35 @@ def child_main(spec_path: str, out_path: str) -> None:
     plan = workload_plan(w)
     if mode == "fair_no_burst":
         plan = [p for p in plan if p.tenant != NOISY_SLUG]
-    _policy_setup(mode, w)
+    keys = _policy_setup(mode, w)
     log_dir = stack.BENCH_DIR / "logs" / mode
     env = dict(os.environ)
     rec = _Recorder()
     tracer = None
-    with stack.Workers(count=w.workers, slots=w.slots_per_worker, env=env, log_dir=log_dir, name=f"bench-{mode}-"):
+    use_http = spec.get("submit") == "http" and mode != "fifo"
+    with contextlib.ExitStack() as running:
+        web = (
+            running.enter_context(
+                stack.GunicornServer(env=env, log_dir=log_dir, processes=stack.web_processes_default())
+            )
+            if use_http
+            else None
+        )
+        running.enter_context(
+            stack.Workers(count=w.workers, slots=w.slots_per_worker, env=env, log_dir=log_dir, name=f"bench-{mode}-")
+        )
         time.sleep(1.5)  # let every worker's heartbeat and first tick land (fleet size known)
         if mode != "fifo":
             tracer = _Tracer([f"{QUIET_PREFIX}{i + 1}" for i in range(w.quiet_tenants)] + [NOISY_SLUG])
             tracer.start()
-        _drive(mode, plan, rec)
+        _drive(mode, plan, rec, base_url=web.base_url if web else None, keys=keys)
         if rec.errors:
             raise RuntimeError(f"{mode}: submitting failed: {rec.errors[:3]}")
         _wait_done(mode, len(plan), rec, timeout=_timeout(w))
         if tracer:
             tracer.stop.set()
             tracer.join(2)
-    records = _fifo_records(rec) if mode == "fifo" else _fairqueue_records()
+    records = _fifo_records(rec) if mode == "fifo" else _fairqueue_records(rec.http_submitted)
     samples = tracer.samples if tracer else []
     Path(out_path).write_text(
         json.dumps(

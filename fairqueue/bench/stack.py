@@ -401,6 +401,12 @@ class WebServer:
         self.stop()
 
 
+def web_processes_default() -> int:
+    """The web processes a production server runs here unless told otherwise: WEB_CONCURRENCY,
+    else two per core (gunicorn.conf.py's rule; the benchmarks pass the number explicitly)."""
+    return int(os.environ.get("WEB_CONCURRENCY", 2 * (os.cpu_count() or 1)))
+
+
 class GunicornServer(WebServer):
     """The production server with `processes` worker processes (the benchmarks' name for it)."""
 
