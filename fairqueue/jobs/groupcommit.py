@@ -40,7 +40,7 @@ from django.db import connections, router, transaction
 from django.db.models import F, Field, Value
 from django.db.models.functions import Coalesce
 
-from fairqueue.jobs import cells, stats
+from fairqueue.jobs import cells, jobrows, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
 from webhooks.outbox import event_record, job_finish, webhook_target
@@ -306,12 +306,7 @@ def _outcomes_flush(items: list[Outcome]) -> list[bool]:
 
 
 def _reads_flush(keys: list[tuple[str, int]]) -> list[Job | None]:
-    rows = {
-        job.id: job
-        for job in Job.objects.select_related("tenant__shard").filter(
-            id__in={_normal(job_id) for job_id, _ in keys}, status__in=WAITING
-        )
-    }
+    rows = jobrows.jobs_waiting({_normal(job_id) for job_id, _ in keys})
     out: list[Job | None] = []
     given: set[uuid.UUID] = set()
     for job_id, generation in keys:
@@ -333,10 +328,9 @@ outcomes: Batcher[Outcome, bool] = Batcher("outcomes", _outcomes_flush)
 
 def job_waiting(*, job_id: str, generation: int) -> Job | None:
     """The row of a delivery, with its tenant and shard, if that generation still waits
-    (queued or parked): its own SELECT."""
-    return (
-        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=WAITING).first()
-    )
+    (queued or parked): its own SELECT (built once per process: fairqueue.jobs.jobrows)."""
+    job = jobrows.jobs_waiting([job_id]).get(_normal(job_id))
+    return job if job is not None and job.generation == generation else None
 
 
 def job_for_delivery(*, job_id: str, generation: int) -> Job | None:
