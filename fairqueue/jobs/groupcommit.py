@@ -94,7 +94,10 @@ class Batcher(Generic[T, R]):
                 state["on"] = False
                 with self._cond:
                     self._coming -= 1
-                    self._cond.notify_all()
+                    # A leader waits for the last announced thread only (see `submit`): waking
+                    # it on every arrival cost each thread a wake-up for nothing.
+                    if self._coming == 0:
+                        self._cond.notify_all()
 
         try:
             yield withdraw
@@ -121,7 +124,7 @@ class Batcher(Generic[T, R]):
             batch.items.append(item)
             if len(batch.items) >= self._max:
                 self._open = None  # full: later arrivals start the next one
-            self._cond.notify_all()
+                self._cond.notify_all()  # its leader waits no more
             if leader:
                 deadline = time.monotonic() + window
                 while True:
