@@ -184,12 +184,36 @@ class GroupCommitTests(RedisTransactionTestCase):
         self.assertIsNot(results[3], results[4], "each thread changes its own instance")
         self.assertEqual(results[0].tenant.shard.name, "default")  # read with its tenant and shard
 
-    def test_a_lone_claim_sends_its_own_statement(self) -> None:
-        (job,) = self.jobs(1)
-        results, statements = together([claim(str(job.id), 0)], groupcommit.claims)
+    def test_a_lone_claim_sends_one_statement_and_wins_only_its_generation(self) -> None:
+        # A batch of one: the batch statement of one row (not the ORM's `alone`).
+        job, stale = self.jobs(2)
+        Job.objects.filter(id=stale.id).update(generation=1)
+        for expected, target in ((True, job), (False, stale)):
+            results, statements = together([claim(str(target.id), 0)], groupcommit.claims)
+            self.assertEqual(results, [expected])
+            self.assertEqual(len(statements), 1, statements)
+        rows = {j.id: j for j in Job.objects.filter(id__in=[job.id, stale.id])}
+        self.assertEqual(
+            (rows[job.id].status, rows[job.id].attempts, rows[job.id].worker), (JobStatus.RUNNING, 1, "w1")
+        )
+        self.assertEqual([s.event for s in tl.steps(rows[job.id].timeline)], [tl.STARTED])
+        self.assertEqual((rows[stale.id].status, rows[stale.id].attempts), (JobStatus.QUEUED, 0))
+
+    def test_a_lone_outcome_writes_its_webhook_event_with_it(self) -> None:
+        (hooked,) = self.jobs(1, callback_url="https://hooks.example.com/done", status=JobStatus.RUNNING, attempts=1)
+        finished = timezone.now()
+        fields = {"status": JobStatus.FAILED, "error": "E", "error_reason": "exception", "finished_at": finished}
+        lines = [tl.line(tl.FINISHED, "failed", at=finished)]
+        results, _ = together(
+            [lambda arrived: groupcommit.job_outcome(hooked, fields=fields, lines=lines, arrived=arrived)],
+            groupcommit.outcomes,
+        )
         self.assertEqual(results, [True])
-        self.assertEqual(len(statements), 1)
-        self.assertNotIn("VALUES", statements[0].upper())
+        row = Job.objects.get(id=hooked.id)
+        self.assertEqual(
+            (row.status, row.error, row.error_reason, row.finished_at), (JobStatus.FAILED, "E", "exception", finished)
+        )
+        self.assertEqual(list(WebhookEvent.objects.values_list("job_id", "type")), [(hooked.id, "job.failed")])
 
     def test_outcomes_recorded_at_once_go_as_one_transaction_with_their_webhook_events(self) -> None:
         running = {"status": JobStatus.RUNNING, "attempts": 1}

@@ -13,10 +13,11 @@ in the process and no thread announced as on its way (`expecting`) is still to c
 after WINDOW at most; threads arriving meanwhile join it. A lone thread waits for nothing.
 The leader runs the statement on its own connection; the others wait for its answer.
 
-A batch of one runs the caller's own single statement (`alone`): with no other thread
-about, nothing changes. If a batch's transaction fails (a database error), nothing of it
-committed, and every member runs its own single statement instead, so a member's bad
-value, a deadlock or a lost connection ends each member as its own statement would have.
+A batch of one is sent the same way, a statement of one row (built by hand, it costs less
+CPU than the caller's own ORM statement, `alone`, which runs when batching is off). If a
+batch's transaction fails (a database error), nothing of it committed, and every member
+runs its own single statement instead, so a member's bad value, a deadlock or a lost
+connection ends each member as its own statement would have.
 If the process dies mid-batch, no member's change or all of them committed, and each is
 then what a worker killed before or after that one change leaves today (the hold runs out
 on the running lease; the job is delivered again).
@@ -40,7 +41,7 @@ from django.db import connections, router, transaction
 from django.db.models import F, Field, Value
 from django.db.models.functions import Coalesce
 
-from fairqueue.jobs import cells, stats
+from fairqueue.jobs import cells, jobrows, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
 from webhooks.outbox import event_record, job_finish, webhook_target
@@ -93,7 +94,10 @@ class Batcher(Generic[T, R]):
                 state["on"] = False
                 with self._cond:
                     self._coming -= 1
-                    self._cond.notify_all()
+                    # A leader waits for the last announced thread only (see `submit`): waking
+                    # it on every arrival cost each thread a wake-up for nothing.
+                    if self._coming == 0:
+                        self._cond.notify_all()
 
         try:
             yield withdraw
@@ -120,7 +124,7 @@ class Batcher(Generic[T, R]):
             batch.items.append(item)
             if len(batch.items) >= self._max:
                 self._open = None  # full: later arrivals start the next one
-            self._cond.notify_all()
+                self._cond.notify_all()  # its leader waits no more
             if leader:
                 deadline = time.monotonic() + window
                 while True:
@@ -135,18 +139,19 @@ class Batcher(Generic[T, R]):
                 self._flushing = True
         if leader:
             try:
-                if len(batch.items) == 1:
-                    # Its own statement, as this kind's one in flight: threads arriving
-                    # meanwhile gather for the next batch (what makes batches under load).
-                    return alone()
+                # A batch of one too: sent as this kind's one in flight, threads arriving
+                # meanwhile gather for the next batch (what makes batches under load). It
+                # goes through `flush` as well, whose statement is built by hand, cheaper
+                # in CPU than `alone`'s ORM statement compiled per call.
                 try:
                     batch.results = self._flush(batch.items)
                 except Exception:  # nothing committed: every member runs its own statement instead
                     stats.count(f"groupcommit:{self.name}:failed")
                     log.warning("%s batch of %d failed; each runs alone", self.name, len(batch.items), exc_info=True)
                 else:
-                    stats.count(f"groupcommit:{self.name}:batches")
-                    stats.count(f"groupcommit:{self.name}:rows", len(batch.items))
+                    if len(batch.items) > 1:
+                        stats.count(f"groupcommit:{self.name}:batches")
+                        stats.count(f"groupcommit:{self.name}:rows", len(batch.items))
             finally:  # also on a BaseException (the process stopping): no member waits forever
                 with self._cond:
                     self._flushing = False
@@ -216,6 +221,11 @@ def _atomic_if(needed: bool, db: str) -> AbstractContextManager[Any]:
     return transaction.atomic(using=db) if needed else nullcontext()
 
 
+# The SQL of a batch statement by its shape: the same shapes recur (a claim's, an
+# outcome's, for 1 to MAX_BATCH rows), so each is built once per process.
+_statements: dict[tuple[Any, ...], str] = {}
+
+
 def _statement(
     connection: Any,
     changes: Sequence[RowChange],
@@ -223,9 +233,26 @@ def _statement(
     statuses: Sequence[str],
     expressions: Mapping[str, str],
 ) -> tuple[str, list[Any]]:
+    fields = [_field(name) for name in names]
+    pk = _field("id")
+    params: list[Any] = []
+    for change in changes:
+        params.append(pk.get_db_prep_save(_normal(change.job_id), connection))
+        params.append(change.generation)
+        params.extend(f.get_db_prep_save(change.values[f.name], connection) for f in fields)
+        params.append(change.lines)
+    shape = (connection.alias, names, len(changes), tuple(statuses), tuple(expressions.items()))
+    sql = _statements.get(shape)
+    if sql is None:
+        sql = _statements[shape] = _statement_sql(connection, len(changes), fields, len(statuses), expressions)
+    return sql, params + [str(s) for s in statuses]
+
+
+def _statement_sql(
+    connection: Any, rows: int, fields: list[Field[Any, Any]], statuses: int, expressions: Mapping[str, str]
+) -> str:
     qn = connection.ops.quote_name
     table = qn(Job._meta.db_table)
-    fields = [_field(name) for name in names]
     pk, gen, timeline = _field("id"), _field("generation"), _field("timeline")
     typed = connection.vendor == "postgresql"  # a VALUES list's columns take their type from it
 
@@ -238,25 +265,18 @@ def _statement(
         return f"%s::{'text' if text else f.cast_db_type(connection)}"
 
     row_sql = "(" + ", ".join([slot(pk), slot(gen), *(slot(f) for f in fields), slot(timeline)]) + ")"
-    params: list[Any] = []
-    for change in changes:
-        params.append(pk.get_db_prep_save(_normal(change.job_id), connection))
-        params.append(change.generation)
-        params.extend(f.get_db_prep_save(change.values[f.name], connection) for f in fields)
-        params.append(change.lines)
     columns = [ID_COL, GEN_COL, *(f.column for f in fields), LINES_COL]
     sets = [f"{qn(f.column)} = {CTE}.{qn(f.column)}" for f in fields]
     sets += [f"{qn(col)} = {sql.format(t=table, v=CTE)}" for col, sql in expressions.items()]
     sets.append(f"{qn(timeline.column)} = COALESCE({table}.{qn(timeline.column)}, '') || {CTE}.{LINES_COL}")
-    sql = (
+    return (
         f"WITH {CTE} ({', '.join(qn(c) if c in {f.column for f in fields} else c for c in columns)}) AS "
-        f"(VALUES {', '.join([row_sql] * len(changes))}) "
+        f"(VALUES {', '.join([row_sql] * rows)}) "
         f"UPDATE {table} SET {', '.join(sets)} FROM {CTE} "
         f"WHERE {table}.{qn(pk.column)} = {CTE}.{ID_COL} AND {table}.{qn(gen.column)} = {CTE}.{GEN_COL} "
-        f"AND {table}.{qn('status')} IN ({', '.join(['%s'] * len(statuses))}) "
+        f"AND {table}.{qn('status')} IN ({', '.join(['%s'] * statuses)}) "
         f"RETURNING {table}.{qn(pk.column)}"
     )
-    return sql, params + [str(s) for s in statuses]
 
 
 # --- the two batches a delivery joins -------------------------------------------------------
@@ -306,12 +326,7 @@ def _outcomes_flush(items: list[Outcome]) -> list[bool]:
 
 
 def _reads_flush(keys: list[tuple[str, int]]) -> list[Job | None]:
-    rows = {
-        job.id: job
-        for job in Job.objects.select_related("tenant__shard").filter(
-            id__in={_normal(job_id) for job_id, _ in keys}, status__in=WAITING
-        )
-    }
+    rows = jobrows.jobs_waiting({_normal(job_id) for job_id, _ in keys})
     out: list[Job | None] = []
     given: set[uuid.UUID] = set()
     for job_id, generation in keys:
@@ -333,10 +348,9 @@ outcomes: Batcher[Outcome, bool] = Batcher("outcomes", _outcomes_flush)
 
 def job_waiting(*, job_id: str, generation: int) -> Job | None:
     """The row of a delivery, with its tenant and shard, if that generation still waits
-    (queued or parked): its own SELECT."""
-    return (
-        Job.objects.select_related("tenant__shard").filter(id=job_id, generation=generation, status__in=WAITING).first()
-    )
+    (queued or parked): its own SELECT (built once per process: fairqueue.jobs.jobrows)."""
+    job = jobrows.jobs_waiting([job_id]).get(_normal(job_id))
+    return job if job is not None and job.generation == generation else None
 
 
 def job_for_delivery(*, job_id: str, generation: int) -> Job | None:
