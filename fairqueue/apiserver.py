@@ -44,8 +44,8 @@ from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed, Requ
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.exception import convert_exception_to_response
 from django.db import close_old_connections
-from django.http import HttpRequest, HttpResponseBase
 from django.dispatch import Signal
+from django.http import HttpRequest, HttpResponseBase
 from django.urls import set_script_prefix
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
