@@ -80,7 +80,7 @@ INLINE_SIGNAL_RECEIVERS = frozenset(
         "django.db.reset_queries",
         "django.db.close_old_connections",
         "django.core.cache.close_caches",
-        "django.urls.base.reset_urlconf",
+        "django.core.handlers.base.reset_urlconf",
     }
 )
 
@@ -167,9 +167,11 @@ async def _send_signal(signal: Signal, sender: type, **named: Any) -> None:
 
 
 async def _close_response(response: HttpResponseBase, sender: type) -> None:
-    """response.close() (which sends request_finished): inline when it has nothing of its
-    own to close (no file) and request_finished's receivers are inline ones."""
-    if not response._resource_closers and _receivers_inline(signals.request_finished, sender):
+    """response.close() (which sends request_finished): inline when it closes no file of its
+    own (only the request's uploads, which an API request has none of) and
+    request_finished's receivers are inline ones."""
+    closes_request_only = all(isinstance(getattr(c, "__self__", None), HttpRequest) for c in response._resource_closers)
+    if closes_request_only and _receivers_inline(signals.request_finished, sender):
         response.close()
     else:
         await sync_to_async(response.close)()
