@@ -35,7 +35,7 @@ import functools
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
@@ -170,7 +170,8 @@ async def _close_response(response: HttpResponseBase, sender: type) -> None:
     """response.close() (which sends request_finished): inline when it closes no file of its
     own (only the request's uploads, which an API request has none of) and
     request_finished's receivers are inline ones."""
-    closes_request_only = all(isinstance(getattr(c, "__self__", None), HttpRequest) for c in response._resource_closers)
+    closers = getattr(response, "_resource_closers", ())  # what close() closes (Django's, not in its stubs)
+    closes_request_only = all(isinstance(getattr(c, "__self__", None), HttpRequest) for c in closers)
     if closes_request_only and _receivers_inline(signals.request_finished, sender):
         response.close()
     else:
@@ -248,8 +249,10 @@ class ApiASGIHandler(ASGIHandler):
         try:
             set_script_prefix(get_script_prefix(scope))
             await _send_signal(signals.request_started, self.__class__, scope=scope)
-            request, response = self.create_request(scope, body_file)
-            if request is not None:
+            request, error_response = self.create_request(scope, body_file)
+            if request is None:  # create_request gives a request or the answer refusing it
+                response = cast(HttpResponseBase, error_response)
+            else:
                 response = await self.run_get_response(request)
             await self.send_response(response, send)
             await _close_response(response, self.__class__)
