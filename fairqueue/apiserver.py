@@ -14,8 +14,13 @@ framework cost was most of the request. `/api/` paths therefore go to ApiASGIHan
   (sessions, users, messages, CSRF, static files). What remains (metrics, security
   headers and redirects, the host check, tracing) are hook-style middleware whose hooks
   do no I/O: they run inline on the event loop instead of a thread hop each;
-- Django's request signals and `response.close` still run in asgiref's one shared sync
-  thread (they are short), as do ninja's own schema and docs pages (synchronous views).
+- Django's request signals and `response.close` are called inline on the event loop when
+  every receiver is one of INLINE_SIGNAL_RECEIVERS (Django's own: they look after the
+  calling thread's connections, caches and URLconf, of which the loop holds none), else
+  in asgiref's one shared sync thread as Django does; ninja's own schema and docs pages
+  (synchronous views) run there too;
+- no task listens for the client's disconnect to cancel the view: an API request's work
+  runs to its end on the pool whether or not its client is still there.
 
 Outside this handler (the test client, a sync caller) `in_api_thread` falls back to
 Django's default, the caller's thread-sensitive thread, so a test's transaction still
@@ -30,15 +35,18 @@ import functools
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.conf import settings
-from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed
-from django.core.handlers.asgi import ASGIHandler
+from django.core import signals
+from django.core.exceptions import ImproperlyConfigured, MiddlewareNotUsed, RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.exception import convert_exception_to_response
 from django.db import close_old_connections
+from django.dispatch import Signal
 from django.http import HttpRequest, HttpResponseBase
+from django.urls import set_script_prefix
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
 
@@ -61,6 +69,20 @@ API_SKIPPED_MIDDLEWARE = frozenset(
 # Hook-style middleware that is no MiddlewareMixin but whose __call__ only runs its hooks
 # (OpenTelemetry's, which tracing adds to MIDDLEWARE when it is on).
 HOOK_STYLE_MIDDLEWARE = frozenset({"opentelemetry.instrumentation.django.middleware.otel_middleware._DjangoMiddleware"})
+
+# Receivers of request_started / request_finished called inline on the event loop: each
+# only resets or closes what the calling thread (or context) holds, and an API request's
+# loop holds no database connection, cache client or URLconf override (its database work
+# runs on the pool, whose connections _with_connections looks after). Any other receiver
+# is sent through asgiref's sync thread, as Django's handler does.
+INLINE_SIGNAL_RECEIVERS = frozenset(
+    {
+        "django.db.reset_queries",
+        "django.db.close_old_connections",
+        "django.core.cache.close_caches",
+        "django.core.handlers.base.reset_urlconf",
+    }
+)
 
 # Set for the duration of a request that came through ApiASGIHandler.
 _in_api_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("fairqueue_api_handler", default=False)
@@ -128,6 +150,34 @@ class _InlineHooks:
         return response  # type: ignore[no-any-return]
 
 
+def _receivers_inline(signal: Signal, sender: type) -> bool:
+    """Whether every live receiver of `signal` for `sender` is in INLINE_SIGNAL_RECEIVERS."""
+    sync_receivers, async_receivers = signal._live_receivers(sender)
+    return not async_receivers and all(
+        f"{getattr(r, '__module__', '')}.{getattr(r, '__qualname__', '')}" in INLINE_SIGNAL_RECEIVERS
+        for r in sync_receivers
+    )
+
+
+async def _send_signal(signal: Signal, sender: type, **named: Any) -> None:
+    if _receivers_inline(signal, sender):
+        signal.send(sender=sender, **named)
+    else:
+        await signal.asend(sender=sender, **named)
+
+
+async def _close_response(response: HttpResponseBase, sender: type) -> None:
+    """response.close() (which sends request_finished): inline when it closes no file of its
+    own (only the request's uploads, which an API request has none of) and
+    request_finished's receivers are inline ones."""
+    closers = getattr(response, "_resource_closers", ())  # what close() closes (Django's, not in its stubs)
+    closes_request_only = all(isinstance(getattr(c, "__self__", None), HttpRequest) for c in closers)
+    if closes_request_only and _receivers_inline(signals.request_finished, sender):
+        response.close()
+    else:
+        await sync_to_async(response.close)()
+
+
 def _inline(method: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
     async def call(*args: Any, **kwargs: Any) -> Any:
         return method(*args, **kwargs)
@@ -187,6 +237,27 @@ class ApiASGIHandler(ASGIHandler):
             await self.handle(scope, receive, send)
         finally:
             _in_api_handler.reset(token)
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Django's ASGIHandler.handle with its signals and response close inline when their
+        receivers allow it (_send_signal, _close_response), and the view awaited directly
+        rather than raced against a disconnect listener (two tasks per request)."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        try:
+            set_script_prefix(get_script_prefix(scope))
+            await _send_signal(signals.request_started, self.__class__, scope=scope)
+            request, error_response = self.create_request(scope, body_file)
+            if request is None:  # create_request gives a request or the answer refusing it
+                response = cast(HttpResponseBase, error_response)
+            else:
+                response = await self.run_get_response(request)
+            await self.send_response(response, send)
+            await _close_response(response, self.__class__)
+        finally:
+            body_file.close()
 
 
 def is_api_path(scope: dict[str, Any]) -> bool:
