@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -177,6 +178,7 @@ PUBLISH_ARGUMENTS = (
     "confirm_timeout",
 )
 TEMPLATE_JOB_ID = "00000000-0000-0000-0000-000000000000"
+MESSAGE_FIELDS = ("task_id", "delivery_tag", "argsrepr", "body")  # a job's own, in its message
 
 
 class _KeptMessage:
@@ -207,48 +209,61 @@ def _templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> bool:
 
 class _MessageTemplate:
     """The Redis transport's message for a delivery to one (queue, priority), as Celery
-    builds it for a template job; `message` fills in one job's."""
+    builds it for a template job: its JSON text, cut where a job's own values go (the
+    task id, wherever Celery put it; the arguments' repr; the body; the delivery tag).
+    `message` joins the pieces with one job's values."""
 
     def __init__(self, connection: Any, queue: str, priority: int) -> None:
+        marks = {name: f"@fq-{name}-{uuid.uuid4().hex}@" for name in MESSAGE_FIELDS}
         kept = _KeptMessage(connection)
         app.send_task(
             RUN_TASK_NAME,
             args=[TEMPLATE_JOB_ID, 0],
+            task_id=marks["task_id"],
             queue=queue,
             priority=priority,
             producer=kept,
             declare=[],
             add_to_parent=False,
         )
-        options = dict(kept.options)
-        self.template_id = options["headers"]["id"]
-        self.headers: dict[str, Any] = options.pop("headers")
+        properties = dict(kept.options)
+        headers = properties.pop("headers")
         _, self.kwargs, self.embed = kept.body
         # kombu's Producer.publish arguments that are not message properties.
         for name in PUBLISH_ARGUMENTS:
-            options.pop(name, None)
+            properties.pop(name, None)
         # kombu's Producer.publish and the virtual channel's basic_publish add these.
-        options["delivery_info"] = {"exchange": "", "routing_key": queue}
-        options["priority"] = priority
-        options["body_encoding"] = REDIS_BODY_ENCODING
-        self.properties: dict[str, Any] = options
-
-    def message(self, job_id: str, gen: int) -> str:
-        task_id = str(uuid.uuid4())
-        args = [job_id, gen]
-        headers = {**self.headers, "id": task_id, "argsrepr": repr(args)}
-        if headers["root_id"] == self.template_id:  # no parent task: the task is its own root
-            headers["root_id"] = task_id
-        body = json.dumps([args, self.kwargs, self.embed]).encode()
-        return json.dumps(
+        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+        properties["priority"] = priority
+        properties["body_encoding"] = REDIS_BODY_ENCODING
+        properties["delivery_tag"] = marks["delivery_tag"]
+        text = json.dumps(
             {
-                "body": base64.b64encode(body).decode(),
+                "body": marks["body"],
                 "content-encoding": "utf-8",
                 "content-type": JSON_CONTENT_TYPE,
-                "headers": headers,
-                "properties": {**self.properties, "correlation_id": task_id, "delivery_tag": str(uuid.uuid4())},
+                "headers": {**headers, "argsrepr": marks["argsrepr"]},
+                "properties": properties,
             }
         )
+        by_mark = {mark: name for name, mark in marks.items()}
+        pieces = re.split("(" + "|".join(map(re.escape, by_mark)) + ")", text)
+        self.pieces = pieces[0::2]  # the fixed text, around...
+        self.fields = [by_mark[mark] for mark in pieces[1::2]]  # ...each place a job's value goes
+
+    def message(self, job_id: str, gen: int) -> str:
+        args = [job_id, gen]
+        body = json.dumps([args, self.kwargs, self.embed]).encode()
+        values = {
+            "task_id": str(uuid.uuid4()),
+            "delivery_tag": str(uuid.uuid4()),
+            "argsrepr": json.dumps(repr(args))[1:-1],  # inside a JSON string
+            "body": base64.b64encode(body).decode(),
+        }
+        out = [self.pieces[0]]
+        for name, piece in zip(self.fields, self.pieces[1:], strict=True):
+            out += (values[name], piece)
+        return "".join(out)
 
 
 def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> None:
