@@ -9,14 +9,18 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from datetime import timedelta
 from typing import Any
 
 from celery import signals
 from django.db import IntegrityError, connection, transaction
 from django.forms.models import model_to_dict
+from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
-from fairqueue.jobs import broker
+from fairqueue.jobs import broker, selectors
+from fairqueue.jobs.api import JobOut, api
 from fairqueue.jobs.copy_insert import rows_copy
 from fairqueue.jobs.models import Job
 from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
@@ -24,6 +28,7 @@ from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
 
+BULK = "/api/v1/jobs/bulk"
 # Fields set per row or per moment, not by the request.
 PER_ROW = {"id", "submitted_at", "admitted_at", "timeline", "idempotency_key", "run_at", "due_at"}
 
@@ -90,6 +95,34 @@ class BulkRowsTests(RedisTestCase):
             else:
                 Job.objects.bulk_create(fresh)
         self.assertFalse(Job.objects.filter(id__in=[j.id for j in fresh]).exists())
+
+
+class BulkAnswerTests(RedisTestCase):
+    def test_the_bulk_answer_is_what_ninja_renders_for_the_same_jobs(self) -> None:
+        policy_invalidate()
+        with self.captureOnCommitCallbacks(execute=True):
+            _, key = make_tenant("acme", batch_enabled=True, floor=100)
+        policy_invalidate()
+        later = (timezone.now() + timedelta(days=2)).isoformat()
+        sleep = {"task": "demo.sleep", "args": {"seconds": 0.5}}
+        jobs = [
+            {"task": "demo.noop", "args": {}},
+            {**sleep, "sub_tenant": "c", "idempotency_key": "k", "batch": True},
+            {"task": "demo.noop", "run_at": later, "timeout_seconds": 2.5},
+            {"task": "demo.noop", "delay_seconds": 90.25, "max_attempts": 1},
+        ]
+        auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+        response = Client().post(BULK, data=json.dumps({"jobs": jobs}), content_type="application/json", **auth)
+        self.assertEqual(response.status_code, 202, response.content)
+        self.assertEqual(response["Content-Type"], api.get_content_type())
+        answered = json.loads(response.content)
+        jobs = [Job.objects.get(id=j["id"]) for j in answered]
+        # What ninja answers for `list[JobOut]`: each job validated, then its renderer.
+        dumped = [JobOut.model_validate(selectors.job_to_dict(job)).model_dump() for job in jobs]
+        rendered = json.loads(api.renderer.render(None, dumped, response_status=202))  # type: ignore[arg-type]
+        self.assertEqual(answered, rendered)
+        self.assertIsNotNone(answered[2]["run_at"])
+        self.assertIsNotNone(answered[3]["next_attempt_at"])
 
 
 class MessageTemplateTests(RedisTestCase):
