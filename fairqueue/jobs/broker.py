@@ -178,7 +178,8 @@ PUBLISH_ARGUMENTS = (
     "confirm_timeout",
 )
 TEMPLATE_JOB_ID = "00000000-0000-0000-0000-000000000000"
-MESSAGE_FIELDS = ("task_id", "delivery_tag", "argsrepr", "body")  # a job's own, in its message
+# A delivery's own values in its message.
+MESSAGE_FIELDS = ("task_id", "root_id", "parent_id", "delivery_tag", "argsrepr", "body")
 
 
 class _KeptMessage:
@@ -209,9 +210,9 @@ def _templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> bool:
 
 class _MessageTemplate:
     """The Redis transport's message for a delivery to one (queue, priority), as Celery
-    builds it for a template job: its JSON text, cut where a job's own values go (the
-    task id, wherever Celery put it; the arguments' repr; the body; the delivery tag).
-    `message` joins the pieces with one job's values."""
+    builds it for a template job: its JSON text, cut where a delivery's own values go (the
+    task id, wherever Celery put it; the parent and root task ids; the arguments' repr; the
+    body; the delivery tag). `message` joins the pieces with one delivery's values."""
 
     def __init__(self, connection: Any, queue: str, priority: int) -> None:
         marks = {name: f"@fq-{name}-{uuid.uuid4().hex}@" for name in MESSAGE_FIELDS}
@@ -220,6 +221,8 @@ class _MessageTemplate:
             RUN_TASK_NAME,
             args=[TEMPLATE_JOB_ID, 0],
             task_id=marks["task_id"],
+            root_id=marks["root_id"],
+            parent_id=marks["parent_id"],
             queue=queue,
             priority=priority,
             producer=kept,
@@ -246,38 +249,65 @@ class _MessageTemplate:
                 "properties": properties,
             }
         )
-        by_mark = {mark: name for name, mark in marks.items()}
+        # Each mark is a JSON string in the text; a delivery's value replaces it, quotes and
+        # all, as the JSON of that value (a parent id may be null).
+        by_mark = {json.dumps(mark): name for name, mark in marks.items()}
         pieces = re.split("(" + "|".join(map(re.escape, by_mark)) + ")", text)
         self.pieces = pieces[0::2]  # the fixed text, around...
-        self.fields = [by_mark[mark] for mark in pieces[1::2]]  # ...each place a job's value goes
+        self.fields = [by_mark[mark] for mark in pieces[1::2]]  # ...each place a delivery's value goes
 
-    def message(self, job_id: str, gen: int) -> str:
+    def message(self, job_id: str, gen: int, parent: tuple[str | None, str | None]) -> str:
+        """One delivery's message; `parent`: the (root id, parent id) of the task publishing
+        it (`_parent_ids`)."""
         args = [job_id, gen]
-        body = json.dumps([args, self.kwargs, self.embed]).encode()
+        task_id = str(uuid.uuid4())
+        root_id, parent_id = parent
         values = {
-            "task_id": str(uuid.uuid4()),
+            "task_id": task_id,
+            "root_id": root_id or task_id,
+            "parent_id": parent_id,
             "delivery_tag": str(uuid.uuid4()),
-            "argsrepr": json.dumps(repr(args))[1:-1],  # inside a JSON string
-            "body": base64.b64encode(body).decode(),
+            "argsrepr": repr(args),
+            "body": base64.b64encode(json.dumps([args, self.kwargs, self.embed]).encode()).decode(),
         }
         out = [self.pieces[0]]
         for name, piece in zip(self.fields, self.pieces[1:], strict=True):
-            out += (values[name], piece)
+            out += (json.dumps(values[name]), piece)
         return "".join(out)
+
+
+# One template per (queue, priority) and thread: Celery names the publishing thread in a
+# message (reply_to, its thread_oid). Built on a thread's first publish there.
+_templates: dict[tuple[str, int, str], _MessageTemplate] = {}
+
+
+def _template(connection: Any, queue: str, priority: int) -> _MessageTemplate:
+    key = (queue, priority, app.thread_oid)
+    template = _templates.get(key)
+    if template is None:
+        template = _templates[key] = _MessageTemplate(connection, queue, priority)
+    return template
+
+
+def _parent_ids() -> tuple[str | None, str | None]:
+    """(root id, parent id) of a message published now, as send_task sets them: those of
+    the task this worker thread runs, or none (a task then is its own root)."""
+    parent = app.current_worker_task
+    if parent is None:
+        return None, None
+    return parent.request.root_id or parent.request.id, parent.request.id
 
 
 def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> None:
     channel = producer.channel
-    templates: dict[tuple[str, int], _MessageTemplate] = {}
+    parent = _parent_ids()
     with channel.conn_or_acquire() as client:
         pipe = client.pipeline(transaction=False)
         for engine_id, data in deliveries:
             job_id, gen = split_engine_id(engine_id)
             target = message_target(route_level(route_carry(data)[0]), amqp=False)
-            template = templates.get(target)
-            if template is None:
-                template = templates[target] = _MessageTemplate(producer.connection, *target)
-            pipe.lpush(channel._q_for_pri(*target), template.message(job_id, gen))
+            template = _template(producer.connection, *target)
+            pipe.lpush(channel._q_for_pri(*target), template.message(job_id, gen, parent))
         pipe.execute()
 
 
