@@ -12,8 +12,14 @@ job's release still goes out in its own job's trace.
 
 from __future__ import annotations
 
+import base64
+import json
+import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
+
+from celery import signals
 
 from fairqueue import tracing
 from fairqueue.celery import app
@@ -123,23 +129,186 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
     # connection per dispatch cost more than the rest of a handoff, and a producer per
     # thread meant a new connection per request under ASGI, which runs each request in a
     # thread of its own.
-    with app.producer_pool.acquire(block=True) as producer, producer.batch(max_size=max(len(deliveries), 1)):
-        amqp = producer.connection.transport.driver_type == "amqp"
+    with app.producer_pool.acquire(block=True) as producer:
+        if _templated(producer, deliveries):
+            _send_templated(producer, deliveries)
+            return
+        with producer.batch(max_size=max(len(deliveries), 1)):
+            amqp = producer.connection.transport.driver_type == "amqp"
+            for engine_id, data in deliveries:
+                job_id, gen = split_engine_id(engine_id)
+                route, carry = route_carry(data)
+                queue, priority = message_target(route_level(route), amqp=amqp)
+                # Celery's instrumentation puts the current context in the message's headers:
+                # the job's own, whichever job's release is publishing it.
+                with tracing.within(tracing.carry_read(carry)[0]):
+                    app.send_task(
+                        RUN_TASK_NAME,
+                        args=[job_id, gen],
+                        queue=queue,
+                        priority=priority,
+                        producer=producer,
+                        declare=_declarations(queue, amqp=amqp),
+                    )
+
+
+# --- the Redis transport's messages, from one template per publish ----------------------------
+#
+# Celery's send_task and kombu's publish cost several times the rest of a job's submit, and
+# all but a few fields of every delivery's message are the same. On the Redis transport a
+# publish is an LPUSH of the message's JSON to the list of its (queue, priority): there, one
+# message per (queue, priority) is built by Celery itself (send_task, into a producer that
+# keeps the message instead of publishing it) and each delivery's is that message with its
+# own task id, arguments and delivery tag, pushed in one pipeline. Where something may
+# change a message per publish (a receiver of Celery's publish signals, such as the tracing
+# instrumentation, or sent events) every delivery goes through send_task.
+
+REDIS_BODY_ENCODING = "base64"
+JSON_SERIALIZER = "json"
+JSON_CONTENT_TYPE = "application/json"
+PUBLISH_ARGUMENTS = (
+    "exchange",
+    "routing_key",
+    "serializer",
+    "compression",
+    "retry",
+    "retry_policy",
+    "declare",
+    "timeout",
+    "confirm_timeout",
+)
+TEMPLATE_JOB_ID = "00000000-0000-0000-0000-000000000000"
+# A delivery's own values in its message.
+MESSAGE_FIELDS = ("task_id", "root_id", "parent_id", "delivery_tag", "argsrepr", "body")
+
+
+class _KeptMessage:
+    """A stand-in producer for send_task: keeps what Celery would publish (kombu
+    Producer.publish's arguments) instead of publishing it."""
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+        self.body: Any = None
+        self.options: dict[str, Any] = {}
+
+    def publish(self, body: Any, **options: Any) -> None:
+        self.body, self.options = body, options
+
+
+def _templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> bool:
+    """Whether these deliveries' messages may be built from a template."""
+    return (
+        producer.connection.transport.driver_type == "redis"
+        and getattr(producer.channel, "_q_for_pri", None) is not None
+        and not any(route_carry(data)[1] for _, data in deliveries)
+        and app.conf.task_serializer == JSON_SERIALIZER
+        and not app.conf.task_compression
+        and not app.conf.task_send_sent_event
+        and not any(s.receivers for s in (signals.before_task_publish, signals.after_task_publish, signals.task_sent))
+    )
+
+
+class _MessageTemplate:
+    """The Redis transport's message for a delivery to one (queue, priority), as Celery
+    builds it for a template job: its JSON text, cut where a delivery's own values go (the
+    task id, wherever Celery put it; the parent and root task ids; the arguments' repr; the
+    body; the delivery tag). `message` joins the pieces with one delivery's values."""
+
+    def __init__(self, connection: Any, queue: str, priority: int) -> None:
+        marks = {name: f"@fq-{name}-{uuid.uuid4().hex}@" for name in MESSAGE_FIELDS}
+        kept = _KeptMessage(connection)
+        app.send_task(
+            RUN_TASK_NAME,
+            args=[TEMPLATE_JOB_ID, 0],
+            task_id=marks["task_id"],
+            root_id=marks["root_id"],
+            parent_id=marks["parent_id"],
+            queue=queue,
+            priority=priority,
+            producer=kept,
+            declare=[],
+            add_to_parent=False,
+        )
+        properties = dict(kept.options)
+        headers = properties.pop("headers")
+        _, self.kwargs, self.embed = kept.body
+        # kombu's Producer.publish arguments that are not message properties.
+        for name in PUBLISH_ARGUMENTS:
+            properties.pop(name, None)
+        # kombu's Producer.publish and the virtual channel's basic_publish add these.
+        properties["delivery_info"] = {"exchange": "", "routing_key": queue}
+        properties["priority"] = priority
+        properties["body_encoding"] = REDIS_BODY_ENCODING
+        properties["delivery_tag"] = marks["delivery_tag"]
+        text = json.dumps(
+            {
+                "body": marks["body"],
+                "content-encoding": "utf-8",
+                "content-type": JSON_CONTENT_TYPE,
+                "headers": {**headers, "argsrepr": marks["argsrepr"]},
+                "properties": properties,
+            }
+        )
+        # Each mark is a JSON string in the text; a delivery's value replaces it, quotes and
+        # all, as the JSON of that value (a parent id may be null).
+        by_mark = {json.dumps(mark): name for name, mark in marks.items()}
+        pieces = re.split("(" + "|".join(map(re.escape, by_mark)) + ")", text)
+        self.pieces = pieces[0::2]  # the fixed text, around...
+        self.fields = [by_mark[mark] for mark in pieces[1::2]]  # ...each place a delivery's value goes
+
+    def message(self, job_id: str, gen: int, parent: tuple[str | None, str | None]) -> str:
+        """One delivery's message; `parent`: the (root id, parent id) of the task publishing
+        it (`_parent_ids`)."""
+        args = [job_id, gen]
+        task_id = str(uuid.uuid4())
+        root_id, parent_id = parent
+        values = {
+            "task_id": task_id,
+            "root_id": root_id or task_id,
+            "parent_id": parent_id,
+            "delivery_tag": str(uuid.uuid4()),
+            "argsrepr": repr(args),
+            "body": base64.b64encode(json.dumps([args, self.kwargs, self.embed]).encode()).decode(),
+        }
+        out = [self.pieces[0]]
+        for name, piece in zip(self.fields, self.pieces[1:], strict=True):
+            out += (json.dumps(values[name]), piece)
+        return "".join(out)
+
+
+# One template per (queue, priority) and thread: Celery names the publishing thread in a
+# message (reply_to, its thread_oid). Built on a thread's first publish there.
+_templates: dict[tuple[str, int, str], _MessageTemplate] = {}
+
+
+def _template(connection: Any, queue: str, priority: int) -> _MessageTemplate:
+    key = (queue, priority, app.thread_oid)
+    template = _templates.get(key)
+    if template is None:
+        template = _templates[key] = _MessageTemplate(connection, queue, priority)
+    return template
+
+
+def _parent_ids() -> tuple[str | None, str | None]:
+    """(root id, parent id) of a message published now, as send_task sets them: those of
+    the task this worker thread runs, or none (a task then is its own root)."""
+    parent = app.current_worker_task
+    if parent is None:
+        return None, None
+    return parent.request.root_id or parent.request.id, parent.request.id
+
+
+def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> None:
+    channel = producer.channel
+    parent = _parent_ids()
+    with channel.conn_or_acquire() as client:
+        pipe = client.pipeline(transaction=False)
         for engine_id, data in deliveries:
             job_id, gen = split_engine_id(engine_id)
-            route, carry = route_carry(data)
-            queue, priority = message_target(route_level(route), amqp=amqp)
-            # Celery's instrumentation puts the current context in the message's headers:
-            # the job's own, whichever job's release is publishing it.
-            with tracing.within(tracing.carry_read(carry)[0]):
-                app.send_task(
-                    RUN_TASK_NAME,
-                    args=[job_id, gen],
-                    queue=queue,
-                    priority=priority,
-                    producer=producer,
-                    declare=_declarations(queue, amqp=amqp),
-                )
+            target = message_target(route_level(route_carry(data)[0]), amqp=False)
+            template = _template(producer.connection, *target)
+            pipe.lpush(channel._q_for_pri(*target), template.message(job_id, gen, parent))
+        pipe.execute()
 
 
 def _declarations(queue: str, *, amqp: bool) -> list[Any]:

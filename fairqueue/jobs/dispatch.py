@@ -329,23 +329,31 @@ def _jobs_admit(
     admitted_jobs = []
     outside = resource_key_limits(jobs, policy)
     started_ns = time.time_ns()  # the admission spans' start: before each job's carry is stamped
+    # Jobs alike (a bulk's, mostly) share one plan: the same keys and limits, from the same
+    # signals, read once per call rather than once per job.
+    shared: dict[tuple[Any, ...], AdmissionPlan] = {}
     for job in jobs:
         tp = policy.tenants.get(job.tenant.slug)
         if tp is None or job.status in TERMINAL_STATUSES:
             continue
         resources = {r: outside[r] for r in known_resources(policy, job.resource_names)}
-        plan = admission_plan(
-            policy=policy,
-            tenant=tp,
-            sub_tenant=job.sub_tenant,
-            priority=job.priority,
-            signals=live.live_signals(tenant_slug=tp.slug),
-            batch=job.in_batch_lane,
-            # Batch work must see the pool as it is now, not as cached a second ago.
-            batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if job.in_batch_lane else 0,
-            placement=_placement(job, tp, sorted(resources)),
-            resource_limits=resources,
-        )
+        tag, names = placement = _placement(job, tp, sorted(resources))
+        batch = job.in_batch_lane
+        alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()))
+        plan = shared.get(alike)
+        if plan is None:
+            plan = shared[alike] = admission_plan(
+                policy=policy,
+                tenant=tp,
+                sub_tenant=job.sub_tenant,
+                priority=job.priority,
+                signals=live.live_signals(tenant_slug=tp.slug),
+                batch=batch,
+                # Batch work must see the pool as it is now, not as cached a second ago.
+                batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if batch else 0,
+                placement=placement,
+                resource_limits=resources,
+            )
         items.append(
             AdmitRequest(
                 tag=plan.tag,

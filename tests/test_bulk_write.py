@@ -1,0 +1,193 @@
+"""The bulk submit's own shapes against the general paths they stand in for: the rows a
+bulk writes (one COPY on PostgreSQL, fairqueue.jobs.copy_insert) hold what the same jobs
+submitted one by one hold, a taken idempotency key refuses the whole COPY, and a delivery's
+message built from a template (fairqueue.jobs.broker, Redis transport) is the one Celery's
+send_task publishes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from celery import signals
+from django.db import IntegrityError, connection, transaction
+from django.forms.models import model_to_dict
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from fairqueue.jobs import broker, selectors
+from fairqueue.jobs.api import JobOut, api
+from fairqueue.jobs.copy_insert import rows_copy
+from fairqueue.jobs.models import Job
+from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
+from tenants.policy import policy_invalidate
+from tests.base import RedisTestCase
+from tests.factories import make_tenant
+
+BULK = "/api/v1/jobs/bulk"
+# Fields set per row or per moment, not by the request.
+PER_ROW = {"id", "submitted_at", "admitted_at", "timeline", "idempotency_key", "run_at", "due_at"}
+
+
+def varied_requests(prefix: str) -> list[JobRequest]:
+    """Jobs that use every part of a row a submit writes."""
+    return [
+        JobRequest(task="demo.noop", idempotency_key=f"{prefix}-0"),
+        JobRequest(
+            task="demo.sleep",
+            args={"seconds": 0.5, "echo": {"note": "ünïcode \u2603", "list": [1, 2.5, None, True]}},
+            sub_tenant="cust-1",
+            priority="default",
+            idempotency_key=f"{prefix}-1",
+            timeout_seconds=3.5,
+            max_attempts=1,
+        ),
+        JobRequest(task="demo.noop", delay_seconds=3600, idempotency_key=f"{prefix}-2"),
+        JobRequest(task="demo.noop", run_at="2020-01-01T00:00:00Z", idempotency_key=f"{prefix}-3"),
+        JobRequest(task="demo.noop", batch=True, idempotency_key=f"{prefix}-4"),
+    ]
+
+
+def row(job_id: Any) -> dict[str, Any]:
+    job = Job.objects.get(id=job_id)
+    return {k: v for k, v in model_to_dict(job).items() if k not in PER_ROW}
+
+
+class BulkRowsTests(RedisTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        policy_invalidate()
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", batch_enabled=True, floor=100)
+        policy_invalidate()
+
+    def test_a_bulk_writes_the_rows_single_submits_write(self) -> None:
+        with CaptureQueriesContext(connection) as queries:
+            bulk = job_submit_bulk(tenant=self.tenant, reqs=varied_requests("bulk"))
+        singles = [job_submit(tenant=self.tenant, req=req) for req in varied_requests("one")]
+        if connection.vendor == "postgresql":
+            self.assertTrue(any(q["sql"].startswith('COPY "jobs_job"') for q in queries.captured_queries))
+        for b, s in zip(bulk, singles, strict=True):
+            self.assertEqual(row(b.job.id), row(s.job.id))
+            stored = Job.objects.get(id=b.job.id)
+            self.assertEqual((stored.status, stored.admitted_at), (b.job.status, b.job.admitted_at))
+            self.assertIsNotNone(stored.submitted_at)
+            self.assertEqual(
+                (stored.run_at is None, stored.due_at is None), (s.job.run_at is None, s.job.due_at is None)
+            )
+        # The objects a bulk returns are saved rows: a later save() updates them.
+        job = bulk[0].job
+        job.error = "edited"
+        job.save(update_fields=["error"])
+        self.assertEqual(Job.objects.get(id=job.id).error, "edited")
+
+    def test_a_taken_idempotency_key_refuses_the_whole_write(self) -> None:
+        job_submit(tenant=self.tenant, req=JobRequest(task="demo.noop", idempotency_key="taken"))
+        fresh = [Job(tenant=self.tenant, task="demo.noop", latency_class="default") for _ in range(3)]
+        fresh[1].idempotency_key = "taken"
+        with self.assertRaises(IntegrityError), transaction.atomic():
+            if connection.vendor == "postgresql":
+                rows_copy(Job, fresh)
+            else:
+                Job.objects.bulk_create(fresh)
+        self.assertFalse(Job.objects.filter(id__in=[j.id for j in fresh]).exists())
+
+
+class BulkAnswerTests(RedisTestCase):
+    def test_the_bulk_answer_is_what_ninja_renders_for_the_same_jobs(self) -> None:
+        policy_invalidate()
+        with self.captureOnCommitCallbacks(execute=True):
+            _, key = make_tenant("acme", batch_enabled=True, floor=100)
+        policy_invalidate()
+        later = (timezone.now() + timedelta(days=2)).isoformat()
+        sleep = {"task": "demo.sleep", "args": {"seconds": 0.5}}
+        jobs = [
+            {"task": "demo.noop", "args": {}},
+            {**sleep, "sub_tenant": "c", "idempotency_key": "k", "batch": True},
+            {"task": "demo.noop", "run_at": later, "timeout_seconds": 2.5},
+            {"task": "demo.noop", "delay_seconds": 90.25, "max_attempts": 1},
+        ]
+        auth = {"HTTP_AUTHORIZATION": f"Bearer {key}"}
+        response = Client().post(BULK, data=json.dumps({"jobs": jobs}), content_type="application/json", **auth)
+        self.assertEqual(response.status_code, 202, response.content)
+        self.assertEqual(response["Content-Type"], api.get_content_type())
+        answered = json.loads(response.content)
+        jobs = [Job.objects.get(id=j["id"]) for j in answered]
+        # What ninja answers for `list[JobOut]`: each job validated, then its renderer.
+        dumped = [JobOut.model_validate(selectors.job_to_dict(job)).model_dump() for job in jobs]
+        rendered = json.loads(api.renderer.render(None, dumped, response_status=202))  # type: ignore[arg-type]
+        self.assertEqual(answered, rendered)
+        self.assertIsNotNone(answered[2]["run_at"])
+        self.assertIsNotNone(answered[3]["next_attempt_at"])
+
+
+class MessageTemplateTests(RedisTestCase):
+    def broker_messages(self) -> dict[bytes, list[dict[str, Any]]]:
+        """Every message in the broker's lists, by list (and the lists emptied)."""
+        found = {}
+        for key in sorted(self.redis.keys("*")):
+            if self.redis.type(key) == b"list":
+                found[key] = [json.loads(m) for m in self.redis.lrange(key, 0, -1)]
+                self.redis.delete(key)
+        return found
+
+    def comparable(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The message with its fresh ids named, not spelled out, and its body decoded."""
+        task_id = message["headers"]["id"]
+        uuid.UUID(task_id)
+        uuid.UUID(message["properties"]["delivery_tag"])
+        text = json.dumps(message).replace(task_id, "<task id>")
+        out = json.loads(text)
+        out["properties"]["delivery_tag"] = "<tag>"
+        out["body"] = json.loads(base64.b64decode(out["body"]))
+        return out
+
+    def test_a_templated_message_is_the_one_send_task_publishes(self) -> None:
+        deliveries = [
+            (f"{uuid.uuid4()}.0", broker.delivery_route(level=5, batch=False)),
+            (f"{uuid.uuid4()}.2", broker.delivery_route(level=0, batch=True)),
+            (f"{uuid.uuid4()}.1", broker.delivery_route(level=5, batch=False)),
+            (f"{uuid.uuid4()}.0", broker.delivery_route(level=9, batch=False)),
+            (f"{uuid.uuid4()}.3", broker.delivery_route(level=0, batch=False)),
+        ]
+        with broker.app.producer_pool.acquire(block=True) as producer:
+            self.assertTrue(broker._templated(producer, deliveries))
+        # In two publishes: the second from the templates the first built.
+        broker.deliveries_publish(deliveries[:2])
+        broker.deliveries_publish(deliveries[2:])
+        templated = self.broker_messages()
+        for engine_id, route in deliveries:  # one by one, through send_task
+            with broker.app.producer_pool.acquire(block=True) as producer:
+                broker.app.send_task(
+                    broker.RUN_TASK_NAME,
+                    args=list(broker.split_engine_id(engine_id)),
+                    queue=broker.delivery_queue(route),
+                    priority=broker.message_target(broker.route_level(route), amqp=False)[1],
+                    producer=producer,
+                    declare=[],
+                )
+        sent = self.broker_messages()
+        self.assertEqual(list(templated), list(sent))
+        self.assertEqual(sum(len(m) for m in templated.values()), len(deliveries))
+        for key, messages in templated.items():
+            self.assertEqual([self.comparable(m) for m in messages], [self.comparable(m) for m in sent[key]])
+        every = [m for ms in templated.values() for m in ms]
+        self.assertEqual(len({m["headers"]["id"] for m in every}), len(every))
+        self.assertEqual(len({m["properties"]["delivery_tag"] for m in every}), len(every))
+
+    def test_a_publish_signal_receiver_sees_every_delivery(self) -> None:
+        seen: list[str] = []
+
+        def receiver(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+            seen.append(headers["id"])
+
+        signals.before_task_publish.connect(receiver)
+        self.addCleanup(signals.before_task_publish.disconnect, receiver)
+        deliveries = [(f"{uuid.uuid4()}.0", "5") for _ in range(3)]
+        broker.deliveries_publish(deliveries)
+        self.assertEqual(len(seen), 3)
+        self.assertEqual(sum(len(m) for m in self.broker_messages().values()), 3)
