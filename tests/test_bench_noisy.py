@@ -139,8 +139,10 @@ class BenchNoisySmokeTests(SimpleTestCase):
             out = Path(tmp) / "noisy.json"
             env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
             done = subprocess.run(
-                [sys.executable, "manage.py", "bench", "noisy", "--smoke", "--submit", "http", "--modes", "fair"]
-                + ["--redis-url", url, "--json", str(out)],
+                [
+                    *(sys.executable, "manage.py", "bench", "noisy", "--smoke", "--submit", "http"),
+                    *("--modes", "fair", "--redis-url", url, "--json", str(out)),
+                ],
                 cwd=ROOT,
                 env=env,
                 capture_output=True,
