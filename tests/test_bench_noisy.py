@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import redis
 from django.conf import settings
@@ -45,6 +46,28 @@ def bench_redis_url() -> str:
         settings.REDIS_URL
     ).connection_pool.connection_kwargs.get("db", 0), "the bench must not share the test Redis database"
     return url
+
+
+def bench_noisy_run(
+    case: SimpleTestCase, args: list[str], *, unset: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], str]:
+    """Run `manage.py bench noisy ARGS --json F` on its own stack (the test settings' Redis
+    and database URLs, and `unset`, left out of its environment); its document and stdout.
+    A failed run fails `case` with the run's output."""
+    hidden = ("REDIS_URL", "DATABASE_URL", *unset)
+    env = {k: v for k, v in os.environ.items() if k not in hidden}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "noisy.json"
+        done = subprocess.run(
+            [sys.executable, "manage.py", "bench", "noisy", *args, "--json", str(out)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        case.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
+        return json.loads(out.read_text()), done.stdout
 
 
 def record(tenant: str, submitted: float, started: float, seconds: float) -> dict[str, object]:
@@ -84,30 +107,8 @@ class BenchNoisySmokeTests(SimpleTestCase):
     def test_smoke_run_writes_the_documented_shape(self) -> None:
         url = bench_redis_url()
         with tempfile.TemporaryDirectory() as tmp:
-            out, png = Path(tmp) / "noisy.json", Path(tmp) / "noisy.png"
-            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    "manage.py",
-                    "bench",
-                    "noisy",
-                    "--smoke",
-                    "--redis-url",
-                    url,
-                    "--json",
-                    str(out),
-                    "--plot",
-                    str(png),
-                ],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=240,
-            )
-            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
-            doc = json.loads(out.read_text())
+            png = Path(tmp) / "noisy.png"
+            doc, stdout = bench_noisy_run(self, ["--smoke", "--redis-url", url, "--plot", str(png)])
             self.assertTrue(png.stat().st_size > 0)
         self.assertEqual(set(doc["modes"]), set(MODES))
         for mode, figures in doc["modes"].items():
@@ -130,27 +131,12 @@ class BenchNoisySmokeTests(SimpleTestCase):
         for target in doc["targets"].values():
             self.assertIn(target["met"], (True, False))
         self.assertIn("workload", doc)
-        self.assertIn("PASS" if doc["all_targets_met"] else "MISS", done.stdout)
+        self.assertIn("PASS" if doc["all_targets_met"] else "MISS", stdout)
         self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")
 
     def test_smoke_run_over_http_sends_every_job_through_the_rest_api(self) -> None:
         url = bench_redis_url()
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "noisy.json"
-            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL")}
-            done = subprocess.run(
-                [
-                    *(sys.executable, "manage.py", "bench", "noisy", "--smoke", "--submit", "http"),
-                    *("--modes", "fair", "--redis-url", url, "--json", str(out)),
-                ],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=240,
-            )
-            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
-            doc = json.loads(out.read_text())
+        doc, _ = bench_noisy_run(self, ["--smoke", "--submit", "http", "--modes", "fair", "--redis-url", url])
         self.assertEqual(doc["submit"], "http")
         fair = doc["modes"]["fair"]
         # Every planned job was accepted by the API (a refused request fails the run) and ran once.

@@ -7,14 +7,8 @@ run again with every message going through a RabbitMQ virtual host of their own.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 
 from django.conf import settings
 from django.core.management import CommandError, call_command
@@ -41,7 +35,7 @@ from fairqueue.queues import (
 from tests import test_jobs_e2e as e2e
 from tests.base import RedisTestCase
 from tests.rabbitmq import RabbitMQBrokerMixin, Vhost
-from tests.test_bench_noisy import ROOT, bench_redis_url
+from tests.test_bench_noisy import bench_noisy_run, bench_redis_url
 from tests.workers import WorkerProcess, wait_for
 
 # (route, name) in publishing order; a worker must take them in ORDER_EXPECTED.
@@ -177,20 +171,8 @@ class BenchNoisyBrokerSmokeTests(SimpleTestCase):
         url = bench_redis_url()
         vhost = Vhost("fq_bench_test").create()
         self.addCleanup(vhost.delete)
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "noisy.json"
-            env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "CELERY_BROKER_URL")}
-            argv = ["--smoke", "--modes", "fair", "--redis-url", url, "--broker-url", vhost.url, "--json", str(out)]
-            done = subprocess.run(
-                [sys.executable, "manage.py", "bench", "noisy", *argv],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=240,
-            )
-            self.assertEqual(done.returncode, 0, done.stdout[-2000:] + done.stderr[-3000:])
-            doc = json.loads(out.read_text())
+        argv = ["--smoke", "--modes", "fair", "--redis-url", url, "--broker-url", vhost.url]
+        doc, stdout = bench_noisy_run(self, argv, unset=("CELERY_BROKER_URL",))
         self.assertEqual(list(doc["brokers"]), ["redis", "amqp"])
         self.assertEqual(doc["brokers"]["amqp"]["url"], f"amqp://127.0.0.1:5672/{vhost.name}")  # no credentials
         for broker in doc["brokers"].values():
@@ -198,5 +180,5 @@ class BenchNoisyBrokerSmokeTests(SimpleTestCase):
             self.assertEqual((fair["jobs"], fair["failed"]), (doc["workload"]["jobs_planned"], 0))
         self.assertEqual(doc["modes"], doc["brokers"]["redis"]["modes"])
         self.assertEqual(set(doc["broker_comparison"]["amqp"]["fair"]), set(BROKER_COMPARED))
-        self.assertIn("amqp / redis, fair:", done.stdout)
+        self.assertIn("amqp / redis, fair:", stdout)
         self.assertEqual(amqp_queues_waiting(vhost.url), 0, "the bench must leave its virtual host empty")
