@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -277,15 +278,19 @@ class _MessageTemplate:
 
 
 # One template per (queue, priority) and thread: Celery names the publishing thread in a
-# message (reply_to, its thread_oid). Built on a thread's first publish there.
-_templates: dict[tuple[str, int, str], _MessageTemplate] = {}
+# message (reply_to, its thread_oid). Built on a thread's first publish there, and kept in
+# the thread's own storage, so it goes with the thread (Django's ASGI handler runs each
+# page request in a thread of its own).
+_thread_templates = threading.local()
 
 
 def _template(connection: Any, queue: str, priority: int) -> _MessageTemplate:
-    key = (queue, priority, app.thread_oid)
-    template = _templates.get(key)
+    templates: dict[tuple[str, int], _MessageTemplate] | None = getattr(_thread_templates, "by_target", None)
+    if templates is None:
+        templates = _thread_templates.by_target = {}
+    template = templates.get((queue, priority))
     if template is None:
-        template = _templates[key] = _MessageTemplate(connection, queue, priority)
+        template = templates[(queue, priority)] = _MessageTemplate(connection, queue, priority)
     return template
 
 
