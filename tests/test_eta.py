@@ -6,15 +6,17 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.db import connections
 from django.test import tag
 from django.urls import reverse
+from django.utils import timezone
 
 from fairqueue.bench.noisy import NOISY_SLUG, PRESETS, Planned, _policy_setup, workload_plan
-from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.eta import PRIOR_JOBS, job_eta
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
 from tenants.models import Tenant
@@ -28,6 +30,8 @@ from tests.workers import WorkerProcess, wait_for
 # over 60 % (docs/whatif.md says why), so the workload runs up to ATTEMPTS times until one
 # meets it; every run must meet what holds whatever the host's load: ETAs rank the jobs as
 # their waits do, and are of the right size.
+SHORT_FINISHED = 8  # EtaFromRecentJobs: finished jobs of 0.1 s, and as many running for
+LONG_RUNNING_S = 2.0  # this long
 WAITED_S = 2.0
 TARGET_ERROR = 0.30
 ATTEMPTS = 3
@@ -88,6 +92,46 @@ class EtaFields(RedisTestCase):
         page = self.client.get(reverse("admin:jobs_job_change", args=[self.jobs[2].pk]))
         self.assertContains(page, "1 job ahead of it on 2:t:acme")
         self.assertContains(page, "starts in about 2.0 s")
+
+
+class EtaFromRecentJobs(RedisTestCase):
+    """The mean duration behind an ETA counts the tenant's running jobs as far as they got:
+    early in a burst its short jobs finish first, and their mean alone would be low."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, self.key = make_tenant("acme", max_concurrency=1)
+        self.jobs = [
+            job_submit(tenant=self.tenant, req=JobRequest(task="demo.sleep", args={"seconds": 1})).job for _ in range(3)
+        ]
+        # The tenant's history, written after the submits so that their admission is as in
+        # EtaFields (one slot: the first job holds it, the others park).
+        now = timezone.now()
+        for seconds_ago, ran in [(3.0, 0.1)] * SHORT_FINISHED + [(LONG_RUNNING_S, None)] * SHORT_FINISHED:
+            started = now - timedelta(seconds=seconds_ago)
+            Job.objects.create(
+                tenant=self.tenant,
+                task="demo.sleep",
+                status=JobStatus.SUCCEEDED if ran else JobStatus.RUNNING,
+                admitted_at=started,
+                started_at=started,
+                finished_at=started + timedelta(seconds=ran) if ran else None,
+                engine_tag="s:default",
+            )
+
+    def test_running_jobs_count_as_far_as_they_got(self) -> None:
+        eta = job_eta(Job.objects.get(pk=self.jobs[2].pk))
+        # Time run: 8 x 0.1 s finished + 8 x 2 s and counting; 8 finished; the prior (the
+        # shard's finished jobs, 0.1 s) counts for PRIOR_JOBS more: (0.8 + 16 + 0.8) / 16.
+        expected_mean = (SHORT_FINISHED * 0.1 + SHORT_FINISHED * LONG_RUNNING_S + PRIOR_JOBS * 0.1) / (
+            SHORT_FINISHED + PRIOR_JOBS
+        )
+        self.assertEqual(eta.position, 1)
+        assert eta.mean_seconds is not None and eta.eta_seconds is not None
+        self.assertGreater(eta.mean_seconds, expected_mean - 0.01)
+        self.assertLess(eta.mean_seconds, expected_mean + 0.5)  # the running jobs ran on a little since
+        self.assertAlmostEqual(eta.eta_seconds, 2 * eta.mean_seconds, delta=0.01)  # position 1, one slot
 
 
 # An accuracy figure of a real workload, like a benchmark's: `make test` runs the tests

@@ -4,23 +4,28 @@ tenant's mean job duration.
 
 What is computed (a few O(log n) reads: the job's spec and its rank in the key's waiter
 queue, the key's count and limit, the tenant's signals; and one indexed query of the
-tenant's last DISPATCH_SAMPLE started jobs):
+tenant's last OWN_SAMPLE started jobs, and at times of its shard's last SHARD_SAMPLE finished):
 
 - `position`: the jobs ahead of it on that key now, in the engine's order (priority, then
   fair order across flows, FIFO within a flow); 0 when it is next. At a key shared by
   flows (a shard: tenants; a tenant: its sub-tenants) a flow that starts waiting later
   enters at the key's virtual time and may be served before it: the position is of now.
-- `eta_seconds`: (position + 1) x hold / slots: the key runs `slots` jobs at once, each
-  holding it `hold` seconds on average, so one of the position + 1 slots the job needs
-  frees every hold / slots. slots is the key's limit, and for a tenant's key the limit the
-  duty tick gives it, from the idle and fair shares it last published (read fresh: an
-  admit from a process whose cache of them was a second old may have stored a lower
-  limit, which the next tick lifts again), at most the pool's live slots. hold is the
-  tenant's mean job duration (the moving average of its finished jobs; before that
-  reaches Redis, the median of its last finished jobs in the database, else of its
-  shard's; before any, the pool's default) plus the median wait of its last started jobs
-  between getting their slots and starting (the broker, a worker's pick-up). It counts
-  the wait on this key only; a later key (its shard) may add to it.
+- `eta_seconds`: (position + 1) / rate, the rate at which the key hands out slots. The key
+  runs `slots` jobs at once, each holding its slot `hold` seconds on average, so it frees
+  slots / hold per second; and the pool can run no more of them than the slots the other
+  keys' jobs leave free, each busy `run` seconds: rate = min(slots / hold, free / run).
+  slots is the key's limit, and for a tenant's key the limit the duty tick gives it, from
+  the idle and fair shares it last published (read fresh: an admit from a process whose
+  cache of them was a second old may have stored a lower limit, which the next tick lifts
+  again). free is the pool's slots less those other keys' jobs hold. run is the tenant's
+  mean job duration, estimated from its last OWN_SAMPLE started jobs with those still
+  running counted as far as they got (the total time they ran over the number that
+  finished: early in a burst its short jobs finish first, and their mean alone would be
+  low), shrunk towards a prior worth PRIOR_JOBS finished jobs: the tenant's
+  moving average, else its shard's last finished jobs, else the pool's default. hold is
+  run plus the median wait between getting a slot and starting of those of them that were
+  handed a freed slot (the broker, a worker's pick-up). It counts the wait on this key
+  only; a later key (its shard) may add to it.
 - a job admitted but not started (waiting for a worker) has position 0 and ETA 0: the
   engine holds its slots, a worker takes it next.
 """
@@ -32,6 +37,7 @@ import statistics
 from dataclasses import dataclass
 
 import redis
+from django.utils import timezone
 
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
@@ -39,7 +45,9 @@ from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import PolicySnapshot, policy_snapshot
 
-DISPATCH_SAMPLE = 32
+OWN_SAMPLE = 64  # the tenant's last started jobs its duration and pick-up wait are read from
+SHARD_SAMPLE = 32  # the shard's last finished jobs, for a prior
+PRIOR_JOBS = 8  # how many of the tenant's own finished jobs the prior counts for
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,21 @@ class JobEta:
     eta_seconds: float | None = None
 
 
-def eta_seconds(*, position: int, slots: int, mean_seconds: float) -> float:
-    """When the job at `position` (0: next) starts, if `slots` jobs of `mean_seconds` run
-    at once: each of the position + 1 slots it needs frees after mean / slots, on average."""
-    return (position + 1) * mean_seconds / max(slots, 1)
+def handout_rate(*, slots: int, hold: float, pool_free: int | None, run: float) -> float:
+    """Slots a key hands out per second: its `slots` each held `hold` seconds, and no more
+    than the `pool_free` worker slots (None: no pool known) can run, each busy `run` s."""
+    rate = max(slots, 1) / hold
+    if pool_free is not None:
+        rate = min(rate, max(pool_free, 1) / run)
+    return rate
+
+
+def mean_with_prior(*, ran_seconds: float, finished: int, prior: float) -> float:
+    """The mean duration from `finished` jobs and the `ran_seconds` that they and those
+    still running ran in all, shrunk towards `prior` as if PRIOR_JOBS more had finished
+    at it (the total time run per job finished: an exponential duration's estimate
+    under censoring, which a burst's first short jobs do not drag down)."""
+    return (ran_seconds + PRIOR_JOBS * prior) / (finished + PRIOR_JOBS)
 
 
 def job_eta(job: Job) -> JobEta:
@@ -75,32 +94,48 @@ def job_eta(job: Job) -> JobEta:
         slots, mean = _tenant_view(policy, job.tenant.slug, tenant_key_waited=state.parked_on)
     except redis.RedisError:
         return JobEta()
-    dispatch, run = _recent_jobs(job)
-    if mean is None:  # no moving average yet (nothing finished, or not flushed to Redis yet)
-        mean = run if run is not None else _shard_run_seconds(tag)
-    if mean is None:
-        mean = policy.pool.default_job_seconds
-    mean += dispatch
+    sample = _recent_jobs(job)
+    prior = mean
+    if prior is None:  # no moving average yet (nothing finished, or not flushed to Redis yet)
+        prior = _shard_run_seconds(tag)
+    if prior is None:
+        prior = policy.pool.default_job_seconds
+    run = mean_with_prior(ran_seconds=sample.ran_seconds, finished=sample.finished, prior=prior)
+    hold = run + sample.dispatch_seconds
     ahead = state.position - 1
-    fleet_slots = live.fleet_state().slots
+    fleet = live.fleet_state()
     slots = max(key.limit or 0, slots or 0)
-    if fleet_slots > 0:
-        slots = min(slots, fleet_slots)
+    # The pool's slots that this key's jobs can have: those the other keys' jobs do not hold.
+    pool_free = fleet.slots - max(fleet.in_flight - (key.held or 0), 0) if fleet.slots > 0 else None
+    if fleet.slots > 0:
+        slots = min(slots, fleet.slots)
+    rate = handout_rate(slots=slots, hold=hold, pool_free=pool_free, run=run)
     return JobEta(
         key=state.parked_on,
         position=ahead,
         limit=key.limit,
         holders=key.held,
-        mean_seconds=round(mean, 4),
-        eta_seconds=round(eta_seconds(position=ahead, slots=slots, mean_seconds=mean), 3),
+        mean_seconds=round(hold, 4),
+        eta_seconds=round((ahead + 1) / rate, 3),
     )
 
 
-def _recent_jobs(job: Job) -> tuple[float, float | None]:
-    """From the tenant's last DISPATCH_SAMPLE started jobs (found through the (tenant,
-    status, submitted_at) index): the median wait between getting their slots and starting
-    (the broker, a worker's pick-up and claim: a key's slot is held for that long before
-    the job runs), and the median duration of those that finished (None: none yet)."""
+@dataclass(frozen=True)
+class RecentJobs:
+    """What a tenant's last started jobs say: the time they ran (those still running, as
+    far as they got), how many finished, and their median wait from slot to start."""
+
+    ran_seconds: float = 0.0
+    finished: int = 0
+    dispatch_seconds: float = 0.0
+
+
+def _recent_jobs(job: Job) -> RecentJobs:
+    """From the tenant's last OWN_SAMPLE started jobs (found through the (tenant, status,
+    submitted_at) index). The wait from slot to start is read off the jobs that waited for
+    their slot (admitted after their submit): handed a freed slot, they show how long one
+    stays held between two jobs. A job admitted at its submit may instead wait for a worker
+    behind the others admitted with it, which the pool's rate counts already."""
     rows = (
         Job.objects.filter(
             tenant_id=job.tenant_id,
@@ -108,26 +143,32 @@ def _recent_jobs(job: Job) -> tuple[float, float | None]:
             admitted_at__isnull=False,
         )
         .order_by("-submitted_at")
-        .values_list("admitted_at", "started_at", "finished_at")[:DISPATCH_SAMPLE]
+        .values_list("submitted_at", "admitted_at", "started_at", "finished_at")[:OWN_SAMPLE]
     )
-    gaps = [(started - admitted).total_seconds() for admitted, started, _ in rows if started and admitted]
-    runs = [(finished - started).total_seconds() for _, started, finished in rows if started and finished]
-    return (
-        max(statistics.median(gaps), 0.0) if gaps else 0.0,
-        statistics.median(runs) if runs else None,
+    now = timezone.now()
+    handed = [
+        (started - admitted).total_seconds()
+        for submitted, admitted, started, _ in rows
+        if started and admitted and admitted > submitted
+    ]
+    ran = [((finished or now) - started).total_seconds() for _, _, started, finished in rows if started]
+    return RecentJobs(
+        ran_seconds=max(sum(ran), 0.0),
+        finished=sum(1 for _, _, started, finished in rows if started and finished),
+        dispatch_seconds=max(statistics.median(handed), 0.0) if handed else 0.0,
     )
 
 
 def _shard_run_seconds(tag: str) -> float | None:
-    """The median duration of the last jobs that finished on the shard (the (status,
-    finished_at) index), for a tenant with none of its own yet."""
+    """The mean duration of the last SHARD_SAMPLE jobs that finished on the shard (the
+    (status, finished_at) index), for a tenant with no moving average yet."""
     rows = (
         Job.objects.filter(status=JobStatus.SUCCEEDED, engine_tag=tag, started_at__isnull=False)
         .order_by("-finished_at")
-        .values_list("started_at", "finished_at")[:DISPATCH_SAMPLE]
+        .values_list("started_at", "finished_at")[:SHARD_SAMPLE]
     )
     runs = [(finished - started).total_seconds() for started, finished in rows if started and finished]
-    return statistics.median(runs) if runs else None
+    return statistics.fmean(runs) if runs else None
 
 
 def _tenant_view(policy: PolicySnapshot, slug: str, *, tenant_key_waited: str) -> tuple[int | None, float | None]:
