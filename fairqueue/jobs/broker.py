@@ -18,6 +18,7 @@ import re
 import threading
 import uuid
 from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from celery import signals
@@ -273,8 +274,14 @@ class _MessageTemplate:
         }
         out = [self.pieces[0]]
         for name, piece in zip(self.fields, self.pieces[1:], strict=True):
-            out += (json.dumps(values[name]), piece)
+            out += (_json_text(values[name]), piece)
         return "".join(out)
+
+
+def _json_text(value: str | None) -> str:
+    """``json.dumps(value)`` for a string or None, without its encoder's dispatch: for a
+    string ``json.dumps`` (ASCII output, its default) is ``encode_basestring_ascii``."""
+    return "null" if value is None else encode_basestring_ascii(value)
 
 
 # One template per (queue, priority) and thread: Celery names the publishing thread in a

@@ -223,6 +223,8 @@ def _check_callback_url(tenant: Tenant, url: str, where: str, refusal_of: Callba
 def _resources(declared: Sequence[str], named: Sequence[str], *, policy: PolicySnapshot, where: str) -> list[str]:
     """The task's declared resources and those the request names, each configured by the
     operator; sorted, without repeats."""
+    if not named and not declared and not isinstance(named, str):  # the common case, without the checks' generators
+        return []
     if isinstance(named, str) or not all(isinstance(r, str) for r in named):
         raise JobError(400, "invalid_resources", "resources must be a list of resource names.", f"{where}resources")
     unknown = sorted({r for r in named if r not in policy.resources})
