@@ -54,8 +54,11 @@ def builder(model: type[M]) -> Callable[..., M]:
     new = model.__new__
 
     def build(**values: Any) -> M:
-        if not known.issuperset(values) or any(n in values and a in values for n, a in both):
-            return model(**values)  # raises as __init__ does for a keyword it takes as unexpected
+        if not known.issuperset(values):
+            return model(**values)  # raises as __init__ does for a keyword it does not know
+        for name, attname in both:  # (a loop, not any(): no generator per build)
+            if name in values and attname in values:
+                return model(**values)  # __init__ sets the relation, then the id as given
         obj = new(model)
         obj._state = ModelState()
         attrs = obj.__dict__
