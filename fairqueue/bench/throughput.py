@@ -500,23 +500,46 @@ def _single_phases(
     context["open loop: requests, max ms"] = f"{len(latencies)}, {max(latencies):.1f}"
 
 
+def _pids_cpu(pids: list[str]) -> dict[str, float]:
+    """CPU seconds (user + system) each of `pids` has used so far, from /proc (a process
+    that is gone, or not on this machine, is left out)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+    return out
+
+
 def _processes_cpu(parent: int | None) -> float:
-    """CPU seconds (user + system) the children of `parent` (gunicorn's worker processes)
-    have used so far, from /proc (0 where /proc cannot say)."""
+    """CPU seconds the children of `parent` (gunicorn's worker processes) have used so far."""
     if parent is None:
         return 0.0
     try:
         children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
     except OSError:
         return 0.0
-    ticks = 0
-    for pid in children:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return sum(_pids_cpu(children).values())
+
+
+def _postgres_cpu() -> dict[str, float] | None:
+    """CPU seconds so far of each PostgreSQL backend serving the bench's database (from
+    /proc: None unless the server runs on this machine, or on SQLite)."""
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        pids = [str(pid) for (pid,) in cursor.fetchall()]
+    cpu = _pids_cpu(pids)
+    return cpu if pids and cpu else None
 
 
 def _redis_cpu(client: redis.Redis) -> float:
@@ -538,6 +561,8 @@ def _bulk_phase(
     bulk_body = {"jobs": [body] * BULK_SIZE}
     cpu_before = _processes_cpu(web_pid)
     redis_cpu_before = _redis_cpu(client)
+    pg_before = _postgres_cpu()
+    own_before = time.process_time()
     redis_before = _commandstats(client)
     seconds = asyncio.run(
         _closed_loop(
@@ -556,6 +581,15 @@ def _bulk_phase(
         (_processes_cpu(web_pid) - cpu_before) * 1000 / (requests * BULK_SIZE), 3
     )
     redis_after = _commandstats(client)
+    own = time.process_time() - own_before
+    pg_after = _postgres_cpu()
+    if pg_before is not None and pg_after is not None:
+        # Backends that started during the phase count from 0; one that ended is missed.
+        pg = sum(cpu - pg_before.get(pid, 0.0) for pid, cpu in pg_after.items())
+        context["bulk: PostgreSQL backends' CPU ms per job (incl. warm-up)"] = round(
+            pg * 1000 / (requests * BULK_SIZE), 3
+        )
+    context["bulk: the bench client's CPU ms per job (incl. warm-up)"] = round(own * 1000 / (requests * BULK_SIZE), 3)
     context["bulk: Redis server's CPU ms per job (incl. warm-up)"] = round(
         (_redis_cpu(client) - redis_cpu_before) * 1000 / (requests * BULK_SIZE), 3
     )
