@@ -120,6 +120,13 @@ class AdmitManyComparison:
                 for tag in ("r1", "u1", "r2", "u2"):
                     self.e.reset_tag(tag=tag)
 
+    def test_a_lone_admit_on_a_tag_is_the_same_too(self) -> None:
+        # One job of a tag goes as admit_job itself; here it reclaims the expired leases and
+        # raises a limit, so its reply carries both.
+        items = [AdmitRequest("r1", "lone", {"a": 3}, 60, 0, "d"), AdmitRequest("u1", "other", {"a": 1}, 60, 0, "")]
+        self.run_both(items)
+        self.assertEqual([w.job_id for w in self.e.admit_many(items[:1])[0].reclaimed], [])  # a re-delivery now
+
     def test_a_bulk_larger_than_one_call_keeps_its_order(self) -> None:
         count = ADMITS_PER_CALL * 2 + 7
         items = [AdmitRequest("r1", f"j{n}", {"a": 3, "b": 1 + n % 2}, 60, n % 3, f"d{n}") for n in range(count)]

@@ -256,6 +256,10 @@ def admit_batch(prefix: str, *, tag: str, runs: list[Run]) -> Call[list[Admissio
             return [Admission(j, True, None, None, [], [], False, False) for j in jobs]
         return [_admission(j, one) for j, one in zip(jobs, r, strict=True)]
 
+    if len(jobs) == 1:  # a lone job: admit_job itself, without admit_jobs' loop around it
+        shape, [(lone, lone_data)] = runs[0]
+        argv: tuple[str | int, ...] = (lone, shape[0], shape[1], lone_data, shape[2], shape[3], *shape[4:])
+        return Call("admit_job", tag_keys(prefix, tag), argv, lambda r: [_admission(lone, r)])
     return Call("admit_jobs", tag_keys(prefix, tag), tuple(args), decode)
 
 
