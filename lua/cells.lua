@@ -30,18 +30,28 @@ local CHANGES_KEPT = 200000
 local TRIM_EVERY = 1000
 local changed, changed_list = {}, {}
 
+-- A cell's set changed: its summary is written once, when the call's operations are done
+-- (summarise), however many of them changed it (a bulk's jobs enter the same two cells).
+-- Nothing reads the summary in between: the call is atomic.
 local function refresh(cell)
-  local z = prefix .. 'z:' .. cell
-  local n = redis.call('ZCARD', z)
-  if n == 0 then
-    redis.call('HDEL', summary, cell)
-  else
-    local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-    redis.call('HSET', summary, cell, n .. ' ' .. first[2])
-  end
   if not changed[cell] then
     changed[cell] = true
     changed_list[#changed_list + 1] = cell
+  end
+end
+
+-- Write the summary of every cell the call changed: "<count> <oldest score>", or none.
+local function summarise()
+  for k = 1, #changed_list do
+    local cell = changed_list[k]
+    local z = prefix .. 'z:' .. cell
+    local n = redis.call('ZCARD', z)
+    if n == 0 then
+      redis.call('HDEL', summary, cell)
+    else
+      local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+      redis.call('HSET', summary, cell, n .. ' ' .. first[2])
+    end
   end
 end
 
@@ -96,10 +106,12 @@ while i <= #ARGV do
     if #kept > 0 then redis.call('HSET', of, job, table.concat(kept, '\2')) end
     i = i + 2
   else
+    summarise() -- what the operations before it changed stays written, summaries included
     return redis.error_reply('cells: unknown operation ' .. tostring(op))
   end
   applied = applied + 1
 end
+summarise()
 if #changed_list > 0 then
   local version = redis.call('INCR', prefix .. 'version')
   if version == 1 then

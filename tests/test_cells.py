@@ -126,6 +126,42 @@ class CellsTests(CellsTestCase):
         )
 
 
+class CellsScriptTests(RedisTestCase):
+    """lua/cells.lua writes a changed cell's summary once per call: the same summary as
+    when each operation is a call of its own."""
+
+    def apply(self, prefix: str, ops: list[list[object]], *, one_call: bool) -> None:
+        calls = [[a for op in ops for a in op]] if one_call else ops
+        for args in calls:
+            self.redis.eval(cells._SOURCE, 1, prefix, *args)
+
+    def state(self, prefix: str) -> dict[str, object]:
+        out: dict[str, object] = {"summary": self.redis.hgetall(prefix + "summary")}
+        out["of"] = self.redis.hgetall(prefix + "of")
+        for key in self.redis.scan_iter(match=prefix.replace("{", "[{]").replace("}", "[}]") + "z:*"):
+            out[key.decode()[len(prefix) :]] = self.redis.zrange(key, 0, -1, withscores=True)
+        out["changes"] = self.redis.zrange(prefix + "changes", 0, -1)
+        return out
+
+    def test_one_call_of_many_operations_leaves_what_one_call_each_leaves(self) -> None:
+        ops: list[list[object]] = [
+            ["set", f"j{n}", f"{100 + n % 7}.5", 2, "c|s|default", f"t|{'ab'[n % 2]}|default"] for n in range(40)
+        ]
+        ops += [["park", f"j{n}", f"{100 + n % 7}.5", "p|a|default"] for n in range(0, 40, 4)]
+        ops += [["del", "j0"], ["del", "j3"], ["unpark", "j4"], ["reset", "j5", "99.0", 1, "c|s|batch"]]
+        ops += [["del", f"j{n}"] for n in range(20, 40)]
+        ops += [["del", "j5"]]  # c|s|batch had j5 alone: left empty, its summary goes
+        self.apply("x:{cells}:", ops, one_call=True)
+        self.apply("y:{cells}:", ops, one_call=False)
+        one, each = self.state("x:{cells}:"), self.state("y:{cells}:")
+        self.assertEqual(one, {**each, "changes": one["changes"]})
+        self.assertEqual(sorted(one["changes"]), sorted(each["changes"]))  # the same cells changed
+        self.assertEqual(one["summary"][b"c|s|default"], b"17 100.5")
+        self.assertEqual(one["summary"][b"p|a|default"], b"3 101.5")
+        self.assertNotIn(b"c|s|batch", one["summary"])
+        self.assertIn("z:c|s|default", one)
+
+
 class CellsOnMainTransitionsTests(CellsTestCase):
     """Transitions beside submit/park/start/cancel: delayed and retried jobs (which wait
     from when they became due), moves between shards, and marks that arrive late."""

@@ -33,7 +33,7 @@ from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
 from tenants import keys as policy_keys
 from tenants.policy import policy_invalidate, policy_snapshot
 from tenants.sync import policy_sync_all
-from tests import test_engine_api
+from tests import test_engine_api, test_engine_batch
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase, max_overlap
@@ -109,6 +109,19 @@ class EngineBehaviourOnClusterTests(test_engine_api.EngineBehaviour):
         self._engine_url = override_settings(FAIRQUEUE_ENGINE_URL=cluster().url)
         self._engine_url.enable()
         self.addCleanup(self._engine_url.disable)
+
+
+@tag("distributed", "cluster")
+class AdmitManyOnClusterTests(test_engine_batch.AdmitManyComparison, RedisTestCase):
+    """A bulk's admits, one call per tag (lua/admit_jobs.lua), against the same admits one
+    by one, with the runs' tags on different primaries (the pipeline split per node)."""
+
+    def setUp(self) -> None:
+        cluster().flush_all()
+        super().setUp()
+        self.client = connect(cluster().url)
+        self.assertIsInstance(self.client, RedisCluster)
+        self.e = Engine(self.client)
 
 
 @tag("distributed", "cluster")

@@ -5,13 +5,19 @@ the same figures whichever worker process answers the scrape."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import glob
 import http.client
 import json
+import os
 import re
+import runpy
 import shutil
 import tempfile
+from collections.abc import Iterator
 from inspect import iscoroutinefunction
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from django.core.handlers.asgi import ASGIHandler
@@ -25,6 +31,24 @@ from tests.base import RedisTransactionTestCase
 from tests.browser import OUTPUT, chromium_launch, chromium_require
 from tests.factories import make_tenant
 from tests.web import web_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def mock_environ(**values: str) -> Iterator[None]:
+    """The process environment with `values` set, put back as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 # Chromium resolves no host name but 127.0.0.1: a page needing a CDN cannot load here.
 OFFLINE_ARGS = ["--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
@@ -220,3 +244,21 @@ class MiddlewareChainTests(SimpleTestCase):
         modes = {type(hook.__self__).__name__: hook.__self__.async_mode for hook in handler._view_middleware}
         self.assertIn("CsrfViewMiddleware", modes)
         self.assertEqual({name for name, is_async in modes.items() if is_async}, set())
+
+
+class GunicornConfigTests(SimpleTestCase):
+    def test_a_worker_freezes_what_it_loaded_out_of_the_collectors_walks(self) -> None:
+        # gunicorn.conf.py read as gunicorn reads it, with its metrics folder a test's own.
+        folder = tempfile.mkdtemp(prefix="fq-test-gunicorn-conf-")
+        self.addCleanup(shutil.rmtree, folder, ignore_errors=True)
+        with mock_environ(PROMETHEUS_MULTIPROC_DIR=folder):
+            conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+        loaded = {"kept": [1, 2]}  # what a loaded app holds: an object the collector tracks
+        self.assertTrue(any(o is loaded for o in gc.get_objects()))
+        self.addCleanup(gc.unfreeze)
+        frozen_before = gc.get_freeze_count()
+        conf["post_worker_init"](object())
+        self.assertGreater(gc.get_freeze_count(), frozen_before)
+        self.assertFalse(any(o is loaded for o in gc.get_objects()), "frozen objects leave the collector's walks")
+        gc.unfreeze()
+        self.assertTrue(any(o is loaded for o in gc.get_objects()))

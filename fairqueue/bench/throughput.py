@@ -11,7 +11,9 @@ worker processes, DEBUG off), reports:
   request sent open-loop at a fixed 200 requests/s (measured from when each request was
   due, so a server that falls behind is not flattered by a client that waits);
 - ``bulk_http_jobs_per_s``: `POST /api/v1/jobs/bulk` with 500 jobs per request from
-  BULK_CLIENTS concurrent clients;
+  BULK_CLIENTS concurrent clients (with it, in the context: the web processes' CPU per
+  bulk job from /proc, and the Redis commands and FCALLs per bulk request; ``--only bulk``
+  runs this part alone);
 - ``noop_jobs_per_s_celery`` and ``noop_jobs_per_s_fairqueue``: the same number of no-op
   jobs from submit to finish on the same worker processes (same threads): plain Celery
   (`send_task` of a task that does nothing, one call per job from this process), then
@@ -81,6 +83,8 @@ PRIORITY_STEPS = 10  # CELERY_BROKER_TRANSPORT_OPTIONS["priority_steps"]
 KOMBU_SEP = "\x06\x16"  # kombu's Redis transport: a priority list is queue + sep + level
 DATABASE_NAME = "fq_bench_throughput"
 PHASES = ("http", "noop")
+#: `--only` choices: a part of PHASES, or `bulk`, the bulk submit of the http part alone.
+ONLY = (*PHASES, "bulk")
 COUNT_DIR_ENV = "FAIRQUEUE_BENCH_QUERY_COUNT_DIR"  # settings installs fairqueue.bench.querycount
 
 
@@ -128,16 +132,19 @@ def add_arguments(parser: Any) -> None:
     )
     parser.add_argument(
         "--only",
-        choices=PHASES,
+        choices=ONLY,
         default=None,
-        help="run one part: `noop` (the no-op runs, plain Celery and FairQueue) or `http` (the submit figures); "
-        "the other part's figures are null",
+        help="run one part: `noop` (the no-op runs, plain Celery and FairQueue), `http` (the submit figures) or "
+        "`bulk` (the bulk submit alone); the other parts' figures are null",
     )
     stack.add_redis_arguments(parser)
     parser.add_argument("--workers", type=int, default=None, help="worker processes for the no-op runs")
     parser.add_argument("--slots-per-worker", type=int, default=None, help="thread slots per worker")
     parser.add_argument("--web-processes", type=int, default=None, help="gunicorn worker processes")
     parser.add_argument("--noop-jobs", type=int, default=None, help="jobs per no-op run (default 5000)")
+    parser.add_argument(
+        "--bulk-requests", type=int, default=None, help=f"bulk requests of {BULK_SIZE} jobs (default 40)"
+    )
 
 
 def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
@@ -147,6 +154,7 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         "slots_per_worker": options.get("slots_per_worker"),
         "web_processes": options.get("web_processes"),
         "noop_jobs": options.get("noop_jobs"),
+        "bulk_requests": options.get("bulk_requests"),
     }
     sizes = replace(sizes, **{k: v for k, v in overrides.items() if v})
     return run(
@@ -449,7 +457,9 @@ def child_main(spec_path: str, out_path: str) -> None:
     with stack.GunicornServer(env=env, log_dir=log_dir, processes=sizes.web_processes) as web:
         base = web.base_url
         if "http" in phases:
-            _http_phases(base, keys, sizes, client, counts, result, context)
+            _single_phases(base, keys, sizes, client, counts, result, context)
+        if "http" in phases or "bulk" in phases:
+            _bulk_phase(base, keys, sizes, client, web.proc.pid if web.proc else None, result, context)
         if "noop" in phases:
             _noop_phases(base, keys, sizes, client, counts, env, log_dir, result, context)
     if "noop" in phases:
@@ -460,7 +470,7 @@ def child_main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"result": result, "context": context}))
 
 
-def _http_phases(
+def _single_phases(
     base: str,
     keys: dict[str, str],
     sizes: Sizes,
@@ -488,7 +498,72 @@ def _http_phases(
     result["single_http_p50_ms_at_200"] = round(statistics.median(latencies), 2)
     result["single_http_p99_ms_at_200"] = round(_percentile(latencies, 99), 2)
     context["open loop: requests, max ms"] = f"{len(latencies)}, {max(latencies):.1f}"
+
+
+def _pids_cpu(pids: list[str]) -> dict[str, float]:
+    """CPU seconds (user + system) each of `pids` has used so far, from /proc (a process
+    that is gone, or not on this machine, is left out)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14 and 15 of stat)
+    return out
+
+
+def _processes_cpu(parent: int | None) -> float:
+    """CPU seconds the children of `parent` (gunicorn's worker processes) have used so far."""
+    if parent is None:
+        return 0.0
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:
+        return 0.0
+    return sum(_pids_cpu(children).values())
+
+
+def _postgres_cpu() -> dict[str, float] | None:
+    """CPU seconds so far of each PostgreSQL backend serving the bench's database (from
+    /proc: None unless the server runs on this machine, or on SQLite)."""
+    # Django's models exist only after django.setup() in the child (child_main): imported here.
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        pids = [str(pid) for (pid,) in cursor.fetchall()]
+    cpu = _pids_cpu(pids)
+    return cpu if pids and cpu else None
+
+
+def _redis_cpu(client: redis.Redis) -> float:
+    """CPU seconds (user + system, all its threads) the Redis server has used so far."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _bulk_phase(
+    base: str,
+    keys: dict[str, str],
+    sizes: Sizes,
+    client: redis.Redis,
+    web_pid: int | None,
+    result: dict[str, Any],
+    context: dict[str, Any],
+) -> None:
+    body = {"task": "demo.noop", "args": {}}
     bulk_body = {"jobs": [body] * BULK_SIZE}
+    cpu_before = _processes_cpu(web_pid)
+    redis_cpu_before = _redis_cpu(client)
+    pg_before = _postgres_cpu()
+    own_before = time.process_time()
+    redis_before = _commandstats(client)
     seconds = asyncio.run(
         _closed_loop(
             base,
@@ -500,6 +575,30 @@ def _http_phases(
         )
     )
     result["bulk_http_jobs_per_s"] = round(sizes.bulk_requests * BULK_SIZE / seconds, 1)
+    # Counted over the timed requests and the clients' warm-up request each.
+    requests = sizes.bulk_requests + BULK_CLIENTS
+    context["bulk: web processes' CPU ms per job (incl. warm-up)"] = round(
+        (_processes_cpu(web_pid) - cpu_before) * 1000 / (requests * BULK_SIZE), 3
+    )
+    redis_after = _commandstats(client)
+    own = time.process_time() - own_before
+    pg_after = _postgres_cpu()
+    if pg_before is not None and pg_after is not None:
+        # Backends that started during the phase count from 0; one that ended is missed.
+        pg = sum(cpu - pg_before.get(pid, 0.0) for pid, cpu in pg_after.items())
+        context["bulk: PostgreSQL backends' CPU ms per job (incl. warm-up)"] = round(
+            pg * 1000 / (requests * BULK_SIZE), 3
+        )
+    context["bulk: the bench client's CPU ms per job (incl. warm-up)"] = round(own * 1000 / (requests * BULK_SIZE), 3)
+    context["bulk: Redis server's CPU ms per job (incl. warm-up)"] = round(
+        (_redis_cpu(client) - redis_cpu_before) * 1000 / (requests * BULK_SIZE), 3
+    )
+    context["bulk: redis commands per request (incl. warm-up)"] = round(
+        _redis_commands_between(redis_before, redis_after) / requests, 1
+    )
+    context["bulk: FCALLs per request (incl. warm-up)"] = round(
+        (redis_after.get("cmdstat_fcall", 0) - redis_before.get("cmdstat_fcall", 0)) / requests, 1
+    )
 
 
 def _noop_phases(

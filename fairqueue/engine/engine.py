@@ -42,6 +42,9 @@ T = TypeVar("T")
 IDENTITY_SECTIONS = ("server", "replication")
 COUNTS_MEMO_SIZE = 1024  # key lists and replies remembered by counts (then all forgotten at once)
 COUNTS_MEMO_MIN_KEYS = 64  # shorter key lists are checked on every call (it costs little)
+#: Jobs admitted by one call of ``admit_many``: Redis runs nothing else while a function
+#: runs, so this bounds how long a bulk holds the server at a time.
+ADMITS_PER_CALL = 250
 
 
 def fcall_args(call: ops.Call[Any]) -> tuple[Any, ...]:
@@ -117,11 +120,54 @@ class _Base:
             require_ready=require_ready,
         )
 
-    def _admit_calls(self, items: Iterable[AdmitRequest], require_ready: bool) -> list[ops.Call[Admission]]:
-        return [
-            self._admit(i.tag, i.job_id, i.keys, i.priority, i.lease_seconds, i.data, require_ready or i.require_ready)
-            for i in items
-        ]
+    def _admit_calls(
+        self, items: Iterable[AdmitRequest], require_ready: bool
+    ) -> tuple[list[ops.Call[list[Admission]]], list[list[int]]]:
+        """The admits as one call per tag (``ops.admit_batch``, at most ADMITS_PER_CALL jobs
+        each), and for each call the indexes of its items. A tag's jobs keep their order
+        (calls on other tags touch none of its state, so their order does not matter); jobs
+        alike in a row share one encoded shape, computed once per keys object."""
+        shapes: dict[tuple[int, int, float, bool], ops.Shape] = {}
+        by_tag: dict[str, tuple[list[ops.Run], list[int]]] = {}
+        calls: list[ops.Call[list[Admission]]] = []
+        indexes: list[list[int]] = []
+
+        def flush(tag: str) -> None:
+            runs, where = by_tag.pop(tag)
+            calls.append(ops.admit_batch(self.prefix, tag=tag, runs=runs))
+            indexes.append(where)
+
+        # A list, so every item (and its keys object, named by id below) lives until the end.
+        for n, item in enumerate(list(items)):
+            ready = require_ready or item.require_ready
+            # Keyed by the keys object's identity: the items hold it for this whole call, so
+            # its id names no other object meanwhile (jobs alike share one, as dispatch does).
+            memo = (id(item.keys), item.priority, item.lease_seconds, ready)
+            shape = shapes.get(memo)
+            if shape is None:
+                shape = shapes[memo] = ops.admit_shape(
+                    item.keys, priority=item.priority, lease_seconds=item.lease_seconds, require_ready=ready
+                )
+            runs, where = by_tag.setdefault(item.tag, ([], []))
+            if runs and runs[-1][0] == shape:
+                runs[-1][1].append((item.job_id, item.data))
+            else:
+                runs.append((shape, [(item.job_id, item.data)]))
+            where.append(n)
+            if len(where) >= ADMITS_PER_CALL:
+                flush(item.tag)
+        for tag in list(by_tag):
+            flush(tag)
+        return calls, indexes
+
+    @staticmethod
+    def _admissions(indexes: list[list[int]], batches: list[list[Admission]]) -> list[Admission]:
+        """The admissions of ``_admit_calls``'s calls back in the items' order."""
+        out: list[Admission | None] = [None] * sum(len(where) for where in indexes)
+        for where, batch in zip(indexes, batches, strict=True):
+            for n, admission in zip(where, batch, strict=True):
+                out[n] = admission
+        return [a for a in out if a is not None]
 
     def _sweep_calls(
         self, tags: Iterable[str], max_jobs_per_tag: int
@@ -249,8 +295,10 @@ class Engine(_Base):
         return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data, require_ready))
 
     def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
-        """Bulk submit: every admit pipelined in one round trip, each still atomic."""
-        return self._run_many(self._admit_calls(items, require_ready))
+        """Bulk submit: the admits of each tag in one call (up to ADMITS_PER_CALL), all calls
+        pipelined in one round trip; each job admitted exactly as its own ``admit`` would
+        be, in order within its tag (lua/admit_jobs.lua)."""
+        return self.admit_many_after((), items, require_ready=require_ready)[1]
 
     def admit_many_after(
         self, before: Sequence[Sequence[Any]], items: Iterable[AdmitRequest], *, require_ready: bool = False
@@ -261,7 +309,9 @@ class Engine(_Base):
         replies as they came (an error is a value, not raised: the admissions stand either
         way) and the admissions. On a Redis Cluster, commands on other nodes than an
         admission's are not ordered with it."""
-        return self._run_many_after(self._admit_calls(items, require_ready), before)
+        calls, indexes = self._admit_calls(items, require_ready)
+        replies, batches = self._run_many_after(calls, before)
+        return replies, self._admissions(indexes, batches)
 
     def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
         """Free the job's keys; the woken jobs returned must be dispatched by the caller.
@@ -487,13 +537,15 @@ class AsyncEngine(_Base):
 
     async def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
         """See ``Engine.admit_many``."""
-        return await self._run_many(self._admit_calls(items, require_ready))
+        return (await self.admit_many_after((), items, require_ready=require_ready))[1]
 
     async def admit_many_after(
         self, before: Sequence[Sequence[Any]], items: Iterable[AdmitRequest], *, require_ready: bool = False
     ) -> tuple[list[Any], list[Admission]]:
         """See ``Engine.admit_many_after``."""
-        return await self._run_many_after(self._admit_calls(items, require_ready), before)
+        calls, indexes = self._admit_calls(items, require_ready)
+        replies, batches = await self._run_many_after(calls, before)
+        return replies, self._admissions(indexes, batches)
 
     async def release(self, *, tag: str, job_id: str, keys: Iterable[str] | None = None) -> ReleaseResult:
         """See ``Engine.release``."""

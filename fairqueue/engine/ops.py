@@ -170,6 +170,47 @@ def _flatten(pairs: list[tuple[str, int]]) -> list[str | int]:
     return flat
 
 
+#: The shared part of an admit's ARGV (priority, lease, require_ready, flows, then key,
+#: limit pairs): what ``admit_shape`` encodes once for jobs alike.
+Shape = tuple[str | int, ...]
+
+
+def admit_shape(keys: KeysArg, *, priority: int, lease_seconds: float, require_ready: bool = False) -> Shape:
+    """Validate and encode what an admit's ARGV holds besides the job id and its data:
+    priority, lease, require_ready, flows and the key, limit pairs (lua/admit_job.lua)."""
+    _check_int("priority", priority, 0, MAX_PRIORITY)
+    specs = key_specs(keys)
+    if len(specs) > MAX_KEYS_PER_JOB:
+        raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(specs)}")
+    lease = str(lease_ms(lease_seconds)).zfill(LEASE_DIGITS)
+    pairs = [(name, limit) for name, limit, _, _ in specs]
+    return (priority, lease, 1 if require_ready else 0, flows_arg(specs), *_flatten(pairs))
+
+
+def _check_data(data: object) -> str:
+    if not isinstance(data, str):
+        raise ValueError("data must be a string")
+    return data
+
+
+def _admission(job_id: str, r: Any) -> Admission:
+    """Decode one admit's reply (lua/admit_job.lua)."""
+    if isinstance(r, int):  # admitted, nothing else to report
+        return Admission(job_id, True, None, None, [], [], False, False)
+    admitted, not_ready = bool(r[0]), bool(r[4])
+    woken, reclaimed = _split(r, 5)
+    return Admission(
+        job_id=job_id,
+        admitted=admitted,
+        parked_on=None if admitted or not_ready else text(r[1]),
+        position=None if admitted or not_ready else int(r[2]),
+        woken=woken,
+        reclaimed=reclaimed,
+        duplicate=bool(r[3]),
+        not_ready=not_ready,
+    )
+
+
 def admit(
     prefix: str,
     *,
@@ -183,34 +224,43 @@ def admit(
 ) -> Call[Admission]:
     """Encode an admit (see lua/admit_job.lua)."""
     _check_job_id(job_id)
-    _check_int("priority", priority, 0, MAX_PRIORITY)
-    if not isinstance(data, str):
-        raise ValueError("data must be a string")
-    flag = 1 if require_ready else 0
-    specs = key_specs(keys)
-    if len(specs) > MAX_KEYS_PER_JOB:
-        raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(specs)}")
-    lease = str(lease_ms(lease_seconds)).zfill(LEASE_DIGITS)
-    pairs = [(name, limit) for name, limit, _, _ in specs]
-    args: tuple[str | int, ...] = (job_id, priority, lease, data, flag, flows_arg(specs), *_flatten(pairs))
+    _check_int("priority", priority, 0, MAX_PRIORITY)  # checked before data, as always
+    _check_data(data)
+    priority_, lease, flag, flows, *pairs = admit_shape(
+        keys, priority=priority, lease_seconds=lease_seconds, require_ready=require_ready
+    )
+    args: tuple[str | int, ...] = (job_id, priority_, lease, data, flag, flows, *pairs)
+    return Call("admit_job", tag_keys(prefix, tag), args, lambda r: _admission(job_id, r))
 
-    def decode(r: Any) -> Admission:
-        if isinstance(r, int):  # admitted, nothing else to report
-            return Admission(job_id, True, None, None, [], [], False, False)
-        admitted, not_ready = bool(r[0]), bool(r[4])
-        woken, reclaimed = _split(r, 5)
-        return Admission(
-            job_id=job_id,
-            admitted=admitted,
-            parked_on=None if admitted or not_ready else text(r[1]),
-            position=None if admitted or not_ready else int(r[2]),
-            woken=woken,
-            reclaimed=reclaimed,
-            duplicate=bool(r[3]),
-            not_ready=not_ready,
-        )
 
-    return Call("admit_job", tag_keys(prefix, tag), args, decode)
+#: One run of admits alike in an ``admit_batch``: their shared ``Shape``, then each job's
+#: (job id, data).
+Run = tuple[Shape, list[tuple[str, str]]]
+
+
+def admit_batch(prefix: str, *, tag: str, runs: list[Run]) -> Call[list[Admission]]:
+    """Encode many admits of one tag as one call (see lua/admit_jobs.lua): the jobs of
+    `runs`, in order, each admitted exactly as its own ``admit`` would be, one after the
+    other. The shapes come from ``admit_shape`` (validated there); job ids and data are
+    checked here."""
+    args: list[str | int] = []
+    jobs: list[str] = []
+    for shape, pairs in runs:
+        args += [len(pairs), len(shape), *shape]
+        for job_id, data in pairs:
+            args += [_check_job_id(job_id), _check_data(data)]
+            jobs.append(job_id)
+
+    def decode(r: Any) -> list[Admission]:
+        if isinstance(r, int):  # every job admitted with nothing else to report
+            return [Admission(j, True, None, None, [], [], False, False) for j in jobs]
+        return [_admission(j, one) for j, one in zip(jobs, r, strict=True)]
+
+    if len(jobs) == 1:  # a lone job: admit_job itself, without admit_jobs' loop around it
+        shape, [(lone, lone_data)] = runs[0]
+        argv: tuple[str | int, ...] = (lone, shape[0], shape[1], lone_data, shape[2], shape[3], *shape[4:])
+        return Call("admit_job", tag_keys(prefix, tag), argv, lambda r: [_admission(lone, r)])
+    return Call("admit_jobs", tag_keys(prefix, tag), tuple(args), decode)
 
 
 def _split(r: list[Any], at: int) -> tuple[list[Woken], list[Woken]]:

@@ -27,6 +27,7 @@ LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
 #: Every operation of the engine, one ``lua/<name>.lua`` each.
 OPERATIONS: tuple[str, ...] = (
     "admit_job",
+    "admit_jobs",  # after admit_job: it calls op_admit_job
     "release_job",
     "cancel_job",
     "renew_lease",

@@ -32,7 +32,8 @@ def rows_copy(model: type[Model], objs: Sequence[Model]) -> None:
     sql = f"COPY {connection.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
     # Every value read at once (operator.attrgetter), then the few fields that need more.
     read_all = operator.attrgetter(*(f.attname for f in fields))
-    special = [(i, value) for i, f in enumerate(fields) if (value := _special_value(f)) is not None]
+    ops = connection.ops  # looked up once: `connection` is a proxy to this thread's connection
+    special = [(i, value) for i, f in enumerate(fields) if (value := _special_value(f, ops)) is not None]
     rows = []
     for obj in objs:
         row = list(read_all(obj))
@@ -62,9 +63,9 @@ def _copy_executor(rows: list[list[Any]]) -> Callable[..., None]:
     return execute
 
 
-def _special_value(field: Field[Any, Any]) -> Value | None:
+def _special_value(field: Field[Any, Any], ops: Any) -> Value | None:
     """How a field's value is read from an object for COPY, where it is not the attribute
-    as it is (see the module docstring)."""
+    as it is (see the module docstring); `ops`: the connection's operations."""
     if isinstance(field, DateField) and (field.auto_now or field.auto_now_add):
         return lambda obj: field.pre_save(obj, add=True)
     if isinstance(field, JSONField):
@@ -72,7 +73,7 @@ def _special_value(field: Field[Any, Any]) -> Value | None:
 
         def json_value(obj: Model) -> Any:
             value = getattr(obj, attname)
-            return None if value is None else connection.ops.adapt_json_value(value, encoder)
+            return None if value is None else ops.adapt_json_value(value, encoder)
 
         return json_value
     return None

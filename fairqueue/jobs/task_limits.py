@@ -52,8 +52,11 @@ def failure_reason(exc: BaseException) -> str:
 
 def effective_timeout(task_seconds: float | None, job_seconds: float | None) -> float | None:
     """A job may only lower its task's limit: the smaller of the two (None: no limit)."""
-    limits = [s for s in (task_seconds, job_seconds) if s is not None]
-    return min(limits) if limits else None
+    if task_seconds is None:
+        return job_seconds
+    if job_seconds is None:
+        return task_seconds
+    return min(task_seconds, job_seconds)  # the task's when equal, as min() of the two always was
 
 
 def valid_limit(value: float | None) -> bool:
