@@ -17,6 +17,7 @@ import json
 import re
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -303,17 +304,37 @@ def _parent_ids() -> tuple[str | None, str | None]:
     return parent.request.root_id or parent.request.id, parent.request.id
 
 
+# One redis-py client per kombu Redis channel, for its publishes. kombu's conn_or_acquire
+# builds a new client object (over the channel's connection pool) on every call, and
+# building one (its command callbacks, its key-prefixing wrapper) cost about as much as
+# the rest of a single delivery's publish. A client holds no connection of its own (each
+# command or pipeline takes one from the channel's pool and gives it back), so it can be
+# kept for as long as the channel lives.
+_publish_clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_publish_clients_lock = threading.Lock()
+
+
+def _publish_client(channel: Any) -> Any:
+    client = _publish_clients.get(channel)
+    if client is None:
+        with _publish_clients_lock:
+            client = _publish_clients.get(channel)
+            if client is None:
+                with channel.conn_or_acquire() as made:
+                    client = _publish_clients[channel] = made
+    return client
+
+
 def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> None:
     channel = producer.channel
     parent = _parent_ids()
-    with channel.conn_or_acquire() as client:
-        pipe = client.pipeline(transaction=False)
-        for engine_id, data in deliveries:
-            job_id, gen = split_engine_id(engine_id)
-            target = message_target(route_level(route_carry(data)[0]), amqp=False)
-            template = _template(producer.connection, *target)
-            pipe.lpush(channel._q_for_pri(*target), template.message(job_id, gen, parent))
-        pipe.execute()
+    pipe = _publish_client(channel).pipeline(transaction=False)
+    for engine_id, data in deliveries:
+        job_id, gen = split_engine_id(engine_id)
+        target = message_target(route_level(route_carry(data)[0]), amqp=False)
+        template = _template(producer.connection, *target)
+        pipe.lpush(channel._q_for_pri(*target), template.message(job_id, gen, parent))
+    pipe.execute()
 
 
 def _declarations(queue: str, *, amqp: bool) -> list[Any]:

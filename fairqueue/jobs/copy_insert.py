@@ -1,4 +1,6 @@
-"""Many new rows in one PostgreSQL COPY: what bulk_create writes, without its per-value work.
+"""New rows on PostgreSQL without the ORM's per-statement work: many in one COPY
+(rows_copy, what bulk_create writes), one by an INSERT built once per model and process
+(row_insert, what `save(force_insert=True)` writes).
 
 bulk_create prepares every field of every object through the field's methods and sends the
 columns as arrays that psycopg quotes value by value in Python; for a bulk submit that cost
@@ -7,18 +9,27 @@ in C). The values are those bulk_create would write: each field's `pre_save` whe
 the value (auto_now_add), JSON fields adapted as the backend adapts them, anything else as
 the object holds it (the database's own types: UUID, datetime, numbers, strings).
 
-The COPY goes through the connection's execute wrappers and its query log like any other
-statement, and a database error (a unique key taken) is raised as Django's.
+A lone row's INSERT was dominated by the ORM compiling the same statement anew and the
+client-side binding quoting every value in Python (Django's psycopg cursor binds on the
+client); row_insert's statement is built once and its values bound by the server, so
+psycopg also prepares it once it has run a few times on a connection (its prepare
+threshold), which spares PostgreSQL the parse and plan.
+
+Both statements go through the connection's execute wrappers and its query log like any
+other statement, and a database error (a unique key taken) is raised as Django's.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from django.db import connection
 from django.db.models import DateField, Field, JSONField, Model
 
@@ -39,18 +50,71 @@ def rows_copy(model: type[Model], objs: Sequence[Model]) -> None:
         for i, value in special:
             row[i] = value(obj)
         rows.append(row)
+    _run(_copy_executor(rows), sql, None)
+    for obj in objs:  # saved, as bulk_create leaves them: a later save() updates
+        obj._state.adding = False
+        obj._state.db = connection.alias
+
+
+@dataclass(frozen=True)
+class _Insert:
+    sql: str
+    read_all: Callable[[Model], tuple[Any, ...]]
+    special: list[tuple[int, Value]]
+
+
+_inserts: dict[type[Model], _Insert] = {}
+_inserts_lock = threading.Lock()
+
+
+def _insert_plan(model: type[Model]) -> _Insert:
+    plan = _inserts.get(model)
+    if plan is None:
+        with _inserts_lock:
+            plan = _inserts.get(model)
+            if plan is None:
+                fields = list(model._meta.concrete_fields)
+                qn = connection.ops.quote_name
+                columns = ", ".join(qn(f.column) for f in fields)
+                marks = ", ".join(["%s"] * len(fields))
+                plan = _inserts[model] = _Insert(
+                    sql=f"INSERT INTO {qn(model._meta.db_table)} ({columns}) VALUES ({marks})",
+                    read_all=operator.attrgetter(*(f.attname for f in fields)),
+                    special=[(i, value) for i, f in enumerate(fields) if (value := _special_value(f)) is not None],
+                )
+    return plan
+
+
+def row_insert(model: type[Model], obj: Model) -> None:
+    """Insert `obj` (a new row, primary key set) by one INSERT of every column, in the
+    caller's transaction or its own (autocommit), as `obj.save(force_insert=True)` would
+    (without the model's save signals, as bulk_create and rows_copy). PostgreSQL only."""
+    plan = _insert_plan(model)
+    row = list(plan.read_all(obj))
+    for i, value in plan.special:
+        row[i] = value(obj)
+    _run(_insert_executor, plan.sql, row)
+    obj._state.adding = False  # saved, as save() leaves it: a later save() updates
+    obj._state.db = connection.alias
+
+
+def _insert_executor(sql: str, params: Any, many: bool, context: dict[str, Any]) -> None:
+    # A server-binding cursor on the same connection (Django's own binds on the client).
+    with psycopg.Cursor(context["cursor"].cursor.connection) as cursor:
+        cursor.execute(sql, params)
+
+
+def _run(executor: Callable[..., None], sql: str, params: Any) -> None:
+    """Run `executor` as Django runs a statement: through the connection's execute
+    wrappers, with its errors as Django's, in its query log when that is on."""
     with connection.cursor() as cursor:
-        executor = _copy_executor(rows)
         for wrapper in reversed(connection.execute_wrappers):
             executor = functools.partial(wrapper, executor)
         started = time.monotonic()
         with connection.wrap_database_errors:
-            executor(sql, None, False, {"connection": connection, "cursor": cursor})
+            executor(sql, params, False, {"connection": connection, "cursor": cursor})
         if connection.queries_logged:
             connection.queries_log.append({"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
-    for obj in objs:  # saved, as bulk_create leaves them: a later save() updates
-        obj._state.adding = False
-        obj._state.db = connection.alias
 
 
 def _copy_executor(rows: list[list[Any]]) -> Callable[..., None]:
