@@ -173,8 +173,9 @@ def in_api_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awai
         # storage and shields the call): Django's connections are plain thread-locals, and
         # context variables are carried by running the call in a copy of this context.
         context = contextvars.copy_context()
-        call: Callable[[], T] = functools.partial(context.run, _with_connections, fn, *args, **kwargs)
-        return _api_pool().run(call)
+
+        call: Callable[[], T] = functools.partial(_with_connections, fn, *args, **kwargs)
+        return _api_pool().run(functools.partial(context.run, call))
     return sync_to_async(fn)(*args, **kwargs)
 
 

@@ -30,17 +30,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import DateField, Field, JSONField, Model
 
-Value = Callable[[Model], Any]
+# How one field's value is read from an object, for the connection it is written on.
+Value = Callable[[Model, BaseDatabaseWrapper], Any]
+
+
+def _connection() -> BaseDatabaseWrapper:
+    # The default connection itself, looked up once per statement: each attribute read
+    # through django.db.connection (a proxy) looks it up again in asgiref's Local.
+    return connections[DEFAULT_DB_ALIAS]
 
 
 def rows_copy(model: type[Model], objs: Sequence[Model]) -> None:
     """Insert `objs` (new rows, primary keys set) in one COPY, in the caller's transaction."""
+    db = _connection()
     fields = list(model._meta.concrete_fields)
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
-    sql = f"COPY {connection.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
+    columns = ", ".join(db.ops.quote_name(f.column) for f in fields)
+    sql = f"COPY {db.ops.quote_name(model._meta.db_table)} ({columns}) FROM STDIN"
     # Every value read at once (operator.attrgetter), then the few fields that need more.
     read_all = operator.attrgetter(*(f.attname for f in fields))
     special = [(i, value) for i, f in enumerate(fields) if (value := _special_value(f)) is not None]
@@ -48,12 +57,12 @@ def rows_copy(model: type[Model], objs: Sequence[Model]) -> None:
     for obj in objs:
         row = list(read_all(obj))
         for i, value in special:
-            row[i] = value(obj)
+            row[i] = value(obj, db)
         rows.append(row)
-    _run(_copy_executor(rows), sql, None)
+    _run(db, _copy_executor(rows), sql, None)
     for obj in objs:  # saved, as bulk_create leaves them: a later save() updates
         obj._state.adding = False
-        obj._state.db = connection.alias
+        obj._state.db = db.alias
 
 
 @dataclass(frozen=True)
@@ -67,14 +76,14 @@ _inserts: dict[type[Model], _Insert] = {}
 _inserts_lock = threading.Lock()
 
 
-def _insert_plan(model: type[Model]) -> _Insert:
+def _insert_plan(model: type[Model], db: BaseDatabaseWrapper) -> _Insert:
     plan = _inserts.get(model)
     if plan is None:
         with _inserts_lock:
             plan = _inserts.get(model)
             if plan is None:
                 fields = list(model._meta.concrete_fields)
-                qn = connection.ops.quote_name
+                qn = db.ops.quote_name
                 columns = ", ".join(qn(f.column) for f in fields)
                 marks = ", ".join(["%s"] * len(fields))
                 plan = _inserts[model] = _Insert(
@@ -89,13 +98,14 @@ def row_insert(model: type[Model], obj: Model) -> None:
     """Insert `obj` (a new row, primary key set) by one INSERT of every column, in the
     caller's transaction or its own (autocommit), as `obj.save(force_insert=True)` would
     (without the model's save signals, as bulk_create and rows_copy). PostgreSQL only."""
-    plan = _insert_plan(model)
+    db = _connection()
+    plan = _insert_plan(model, db)
     row = list(plan.read_all(obj))
     for i, value in plan.special:
-        row[i] = value(obj)
-    _run(_insert_executor, plan.sql, row)
+        row[i] = value(obj, db)
+    _run(db, _insert_executor, plan.sql, row)
     obj._state.adding = False  # saved, as save() leaves it: a later save() updates
-    obj._state.db = connection.alias
+    obj._state.db = db.alias
 
 
 def _insert_executor(sql: str, params: Any, many: bool, context: dict[str, Any]) -> None:
@@ -104,17 +114,17 @@ def _insert_executor(sql: str, params: Any, many: bool, context: dict[str, Any])
         cursor.execute(sql, params)
 
 
-def _run(executor: Callable[..., None], sql: str, params: Any) -> None:
+def _run(db: BaseDatabaseWrapper, executor: Callable[..., None], sql: str, params: Any) -> None:
     """Run `executor` as Django runs a statement: through the connection's execute
     wrappers, with its errors as Django's, in its query log when that is on."""
-    with connection.cursor() as cursor:
-        for wrapper in reversed(connection.execute_wrappers):
+    with db.cursor() as cursor:
+        for wrapper in reversed(db.execute_wrappers):
             executor = functools.partial(wrapper, executor)
         started = time.monotonic()
-        with connection.wrap_database_errors:
-            executor(sql, params, False, {"connection": connection, "cursor": cursor})
-        if connection.queries_logged:
-            connection.queries_log.append({"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
+        with db.wrap_database_errors:
+            executor(sql, params, False, {"connection": db, "cursor": cursor})
+        if db.queries_logged:
+            db.queries_log.append({"sql": sql, "time": f"{time.monotonic() - started:.3f}"})
 
 
 def _copy_executor(rows: list[list[Any]]) -> Callable[..., None]:
@@ -130,13 +140,13 @@ def _special_value(field: Field[Any, Any]) -> Value | None:
     """How a field's value is read from an object for COPY, where it is not the attribute
     as it is (see the module docstring)."""
     if isinstance(field, DateField) and (field.auto_now or field.auto_now_add):
-        return lambda obj: field.pre_save(obj, add=True)
+        return lambda obj, db: field.pre_save(obj, add=True)
     if isinstance(field, JSONField):
         attname, encoder = field.attname, field.encoder
 
-        def json_value(obj: Model) -> Any:
+        def json_value(obj: Model, db: BaseDatabaseWrapper) -> Any:
             value = getattr(obj, attname)
-            return None if value is None else connection.ops.adapt_json_value(value, encoder)
+            return None if value is None else db.ops.adapt_json_value(value, encoder)
 
         return json_value
     return None
