@@ -270,6 +270,15 @@ class MessageTemplateTests(RedisTestCase):
         self.assertEqual(len({m["headers"]["id"] for m in every}), len(every))
         self.assertEqual(len({m["properties"]["delivery_tag"] for m in every}), len(every))
 
+    def test_the_configuration_read_once_is_celerys(self) -> None:
+        broker.deliveries_publish([(f"{uuid.uuid4()}.0", "5")])  # read by now
+        conf = broker.app.conf
+        self.assertIs(
+            broker._conf_templatable(),
+            conf.task_serializer == "json" and not conf.task_compression and not conf.task_send_sent_event,
+        )
+        self.assertTrue(broker._conf_templatable())  # this project's configuration: templates
+
     def test_a_publish_signal_receiver_sees_every_delivery(self) -> None:
         seen: list[str] = []
 
