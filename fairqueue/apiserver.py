@@ -30,11 +30,12 @@ sees and rolls back what a view wrote.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
+import queue
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import markcoroutinefunction, sync_to_async
@@ -87,17 +88,68 @@ INLINE_SIGNAL_RECEIVERS = frozenset(
 # Set for the duration of a request that came through ApiASGIHandler.
 _in_api_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("fairqueue_api_handler", default=False)
 _pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pool: ApiPool | None = None
 
 
-def _api_pool() -> ThreadPoolExecutor:
+class ApiPool:
+    """A fixed set of threads running the API's synchronous calls for the event loop.
+
+    What `loop.run_in_executor(ThreadPoolExecutor)` does, without its two futures per call
+    (a concurrent one, locked and chained to the loop's by callbacks) and its per-call
+    thread-count check (a semaphore): a call goes into one queue with the loop's own future,
+    and the thread that runs it settles that future on the loop. A call whose future was
+    cancelled before a thread took it is not run (as an executor drops a cancelled one); one
+    already running runs to its end. The threads are daemons: gunicorn's graceful stop ends
+    a worker's requests before its process exits, and nothing else waits on them."""
+
+    def __init__(self, threads: int, *, name: str = "fq-api") -> None:
+        self._calls: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]]]
+        self._calls = queue.SimpleQueue()
+        for i in range(threads):
+            threading.Thread(target=self._serve, name=f"{name}_{i}", daemon=True).start()
+
+    def run(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `call` on a pool thread; its result (or exception) on the running loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((loop, future, call))
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            self._run_one(*self._calls.get())
+
+    @staticmethod
+    def _run_one(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], call: Callable[[], Any]) -> None:
+        if future.cancelled():
+            return
+        result, error = None, None
+        try:
+            result = call()
+        except BaseException as exc:  # as an executor: the awaiting request gets it, the thread lives on
+            error = exc
+        # A closed loop (RuntimeError) has nobody awaiting the answer any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_future_settle, future, result, error)
+
+
+def _future_settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _api_pool() -> ApiPool:
     # Made on first use, in the serving process (gunicorn forks workers; threads do not survive a fork).
     global _pool
     if _pool is not None:
         return _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=settings.FAIRQUEUE["API_THREADS"], thread_name_prefix="fq-api")
+            _pool = ApiPool(settings.FAIRQUEUE["API_THREADS"])
         return _pool
 
 
@@ -117,12 +169,13 @@ def in_api_thread(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Awai
     the API's thread pool under ApiASGIHandler, else in the caller's thread-sensitive
     thread as Django would. Context variables (the request's trace span) go along."""
     if _in_api_handler.get():
-        # Plain run_in_executor (not asgiref's SyncToAsync, which also re-homes its Local
+        # The API's own pool (not asgiref's SyncToAsync, which also re-homes its Local
         # storage and shields the call): Django's connections are plain thread-locals, and
         # context variables are carried by running the call in a copy of this context.
         context = contextvars.copy_context()
+
         call: Callable[[], T] = functools.partial(_with_connections, fn, *args, **kwargs)
-        return asyncio.get_running_loop().run_in_executor(_api_pool(), context.run, call)
+        return _api_pool().run(functools.partial(context.run, call))
     return sync_to_async(fn)(*args, **kwargs)
 
 

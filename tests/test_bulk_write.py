@@ -1,6 +1,7 @@
-"""The bulk submit's own shapes against the general paths they stand in for: the rows a
-bulk writes (one COPY on PostgreSQL, fairqueue.jobs.copy_insert) hold what the same jobs
-submitted one by one hold, a taken idempotency key refuses the whole COPY, and a delivery's
+"""The submit's own shapes against the general paths they stand in for: the rows a bulk
+writes (one COPY on PostgreSQL, fairqueue.jobs.copy_insert) hold what the same jobs
+submitted one by one hold, a taken idempotency key refuses the whole COPY, a lone row's
+INSERT (built once per process on PostgreSQL) writes what `save()` writes, and a delivery's
 message built from a template (fairqueue.jobs.broker, Redis transport) is the one Celery's
 send_task publishes."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from celery import signals
@@ -24,7 +25,7 @@ from fairqueue.jobs import broker, fastinit, selectors
 from fairqueue.jobs.api import JobOut, api
 from fairqueue.jobs.copy_insert import rows_copy
 from fairqueue.jobs.models import Job
-from fairqueue.jobs.submission import JobRequest, job_submit, job_submit_bulk
+from fairqueue.jobs.submission import JobRequest, _insert_one, job_submit, job_submit_bulk
 from tenants.policy import policy_invalidate
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
@@ -200,6 +201,96 @@ class FastInitTests(RedisTestCase):
             self.assertEqual(rows[0], rows[1])
 
 
+def every_field_job(tenant: Any, n: int, at: datetime) -> Job:
+    """A new job with every column set away from its default (JSON with unicode, times, nulls)."""
+    return Job(
+        tenant=tenant,
+        sub_tenant=f"cust-{n}",
+        task="demo.sleep",
+        args={"seconds": 0.5, "echo": {"note": "ünïcode \u2603", "list": [1, 2.5, None, True]}, "n": n},
+        args_ref=f"ref-{n}",
+        latency_class="default",
+        priority=3,
+        batch=True,
+        promoted_at=at,
+        idempotency_key=f"key-{n}",
+        timeout_seconds=3.25,
+        status="parked",
+        attempts=2,
+        worker_losses=1,
+        generation=4,
+        worker="w1",
+        admitted_at=at,
+        started_at=at + timedelta(seconds=1),
+        finished_at=None,
+        result={"ok": [1, "two"]},
+        result_ref="rr",
+        error="Err: ü",
+        error_reason="exception",
+        engine_tag="{bench}",
+        engine_keys="a b c",
+        callback_url="https://example.com/hook",
+        resources="api db",
+        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        timeline="submitted 1\nadmitted 2\n",
+        release_pending=True,
+        run_at=at + timedelta(hours=1),
+        due_at=at + timedelta(hours=2),
+        max_attempts=5,
+        attempt_failures=1,
+        attempt_history=[{"attempt": 1, "status": "failed", "error": "x"}],
+    )
+
+
+class SingleRowTests(RedisTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        policy_invalidate()
+        with self.captureOnCommitCallbacks(execute=True):
+            self.tenant, _ = make_tenant("acme", floor=100)
+
+    def columns(self, job: Job) -> dict[str, Any]:
+        values = Job.objects.filter(id=job.id).values().get()
+        return {k: v for k, v in values.items() if k not in ("id", "idempotency_key", "submitted_at")}
+
+    def test_the_submits_insert_writes_what_save_writes(self) -> None:
+        # More rows than psycopg's prepare threshold (5): the later INSERTs run prepared.
+        at = timezone.now() - timedelta(minutes=5)
+        for n in range(8):
+            fast, orm = every_field_job(self.tenant, n, at), every_field_job(self.tenant, n, at)
+            orm.idempotency_key = f"orm-{n}"
+            with CaptureQueriesContext(connection) as queries:
+                _insert_one(fast)
+            orm.save(force_insert=True)
+            self.assertEqual([q["sql"][:23] for q in queries.captured_queries], ['INSERT INTO "jobs_job" '])
+            self.assertEqual(self.columns(fast), self.columns(orm))
+            stored = Job.objects.get(id=fast.id)
+            self.assertEqual(stored.submitted_at, fast.submitted_at)  # auto_now_add set on the object too
+            self.assertEqual(stored.idempotency_key, f"key-{n}")
+        # Saved: a later save() updates the row rather than inserting it again.
+        fast.error = "edited"
+        fast.save()
+        self.assertEqual(Job.objects.get(id=fast.id).error, "edited")
+
+    def test_defaults_and_nulls_are_written_as_save_writes_them(self) -> None:
+        fast = Job(tenant=self.tenant, task="demo.noop", latency_class="default")
+        orm = Job(tenant=self.tenant, task="demo.noop", latency_class="default")
+        _insert_one(fast)
+        orm.save(force_insert=True)
+        self.assertEqual(self.columns(fast), self.columns(orm))
+
+    def test_a_taken_idempotency_key_is_an_integrity_error_and_the_transaction_goes_on(self) -> None:
+        at = timezone.now()
+        _insert_one(every_field_job(self.tenant, 1, at))
+        with transaction.atomic():
+            with self.assertRaises(IntegrityError), transaction.atomic():
+                _insert_one(every_field_job(self.tenant, 1, at))
+            other = every_field_job(self.tenant, 2, at)
+            _insert_one(other)
+        self.assertEqual(Job.objects.filter(tenant=self.tenant).count(), 2)
+        self.assertTrue(Job.objects.filter(id=other.id).exists())
+
+
 class BulkAnswerTests(RedisTestCase):
     def test_the_bulk_answer_is_what_ninja_renders_for_the_same_jobs(self) -> None:
         policy_invalidate()
@@ -282,6 +373,15 @@ class MessageTemplateTests(RedisTestCase):
         every = [m for ms in templated.values() for m in ms]
         self.assertEqual(len({m["headers"]["id"] for m in every}), len(every))
         self.assertEqual(len({m["properties"]["delivery_tag"] for m in every}), len(every))
+
+    def test_the_configuration_read_once_is_celerys(self) -> None:
+        broker.deliveries_publish([(f"{uuid.uuid4()}.0", "5")])  # read by now
+        conf = broker.app.conf
+        self.assertIs(
+            broker._conf_templatable(),
+            conf.task_serializer == "json" and not conf.task_compression and not conf.task_send_sent_event,
+        )
+        self.assertTrue(broker._conf_templatable())  # this project's configuration: templates
 
     def test_a_publish_signal_receiver_sees_every_delivery(self) -> None:
         seen: list[str] = []

@@ -5,7 +5,9 @@ the same figures whichever worker process answers the scrape."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import gc
 import glob
 import http.client
@@ -15,6 +17,7 @@ import re
 import runpy
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from inspect import iscoroutinefunction
 from pathlib import Path
@@ -26,7 +29,8 @@ from playwright.sync_api import expect, sync_playwright
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from fairqueue.apiserver import ApiASGIHandler, api_middleware, is_api_path
+from fairqueue import apiserver
+from fairqueue.apiserver import ApiASGIHandler, ApiPool, api_middleware, in_api_thread, is_api_path
 from tests.base import RedisTransactionTestCase
 from tests.browser import OUTPUT, chromium_launch, chromium_require
 from tests.factories import make_tenant
@@ -53,6 +57,7 @@ def mock_environ(**values: str) -> Iterator[None]:
 # Chromium resolves no host name but 127.0.0.1: a page needing a CDN cannot load here.
 OFFLINE_ARGS = ["--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]
 WEB_WORKERS = 2
+POOL_WAIT_S = 10.0  # generous: a pool thread's step on a loaded machine
 DASHBOARD_REQUESTS_BATCH = 20
 DASHBOARD_REQUESTS_MAX = 400
 SCRAPES = 8
@@ -262,3 +267,74 @@ class GunicornConfigTests(SimpleTestCase):
         self.assertFalse(any(o is loaded for o in gc.get_objects()), "frozen objects leave the collector's walks")
         gc.unfreeze()
         self.assertTrue(any(o is loaded for o in gc.get_objects()))
+
+
+_request_value: contextvars.ContextVar[str] = contextvars.ContextVar("test_request_value", default="")
+
+
+class ApiPoolTests(SimpleTestCase):
+    """The API's thread pool (fairqueue.apiserver.ApiPool) answers as run_in_executor did."""
+
+    def test_calls_run_on_the_pools_threads_at_once_and_answer_on_the_loop(self) -> None:
+        pool = ApiPool(3, name="fq-api-test")
+        barrier = threading.Barrier(3, timeout=POOL_WAIT_S)
+
+        def call(n: int) -> tuple[int, str]:
+            barrier.wait()  # only passes if three calls run at the same time
+            return n * 2, threading.current_thread().name
+
+        async def main() -> list[tuple[int, str]]:
+            return await asyncio.gather(*[pool.run(lambda n=n: call(n)) for n in range(3)])
+
+        answers = asyncio.run(main())
+        self.assertEqual([a for a, _ in answers], [0, 2, 4])
+        self.assertEqual(len({name for _, name in answers}), 3)
+        self.assertTrue(all(name.startswith("fq-api-test_") for _, name in answers))
+
+    def test_an_exception_reaches_the_awaiting_request_and_the_thread_serves_on(self) -> None:
+        pool = ApiPool(1, name="fq-api-test")
+
+        def fail() -> None:
+            raise KeyError("boom")
+
+        async def main() -> str:
+            with self.assertRaises(KeyError):
+                await pool.run(fail)
+            return await pool.run(lambda: "after")
+
+        self.assertEqual(asyncio.run(main()), "after")
+
+    def test_a_call_cancelled_before_a_thread_took_it_is_not_run(self) -> None:
+        pool = ApiPool(1, name="fq-api-test")
+        release = threading.Event()
+        ran: list[str] = []
+
+        def step(name: str) -> str:
+            if name == "first":
+                release.wait(POOL_WAIT_S)
+            ran.append(name)
+            return name
+
+        async def main() -> str:
+            first = pool.run(lambda: step("first"))  # holds the one thread
+            second = pool.run(lambda: step("second"))
+            second.cancel()
+            release.set()
+            await first
+            return await pool.run(lambda: step("third"))
+
+        self.assertEqual(asyncio.run(main()), "third")
+        self.assertEqual(ran, ["first", "third"])
+
+    def test_in_api_thread_carries_the_requests_context_into_the_pool(self) -> None:
+        async def main() -> tuple[str, str]:
+            token = apiserver._in_api_handler.set(True)
+            _request_value.set("this request")
+            try:
+                return await in_api_thread(lambda: (_request_value.get(), threading.current_thread().name))
+            finally:
+                apiserver._in_api_handler.reset(token)
+
+        value, thread = asyncio.run(main())
+        self.assertEqual(value, "this request")
+        self.assertTrue(thread.startswith("fq-api_"))

@@ -17,6 +17,7 @@ import json
 import re
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -203,11 +204,28 @@ def _templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> bool:
         producer.connection.transport.driver_type == "redis"
         and getattr(producer.channel, "_q_for_pri", None) is not None
         and not any(route_carry(data)[1] for _, data in deliveries)
-        and app.conf.task_serializer == JSON_SERIALIZER
-        and not app.conf.task_compression
-        and not app.conf.task_send_sent_event
+        and _conf_templatable()
         and not any(s.receivers for s in (signals.before_task_publish, signals.after_task_publish, signals.task_sent))
     )
+
+
+_conf_allows_templates: bool | None = None
+
+
+def _conf_templatable() -> bool:
+    """Whether Celery's configuration lets a message be built from a template (JSON, not
+    compressed, no sent events). Read once per process, as the templates themselves are
+    built once (a thread's first publish) and kept: each of these lookups in Celery's
+    configuration (its key aliases, Django's settings behind them) took tens of
+    microseconds, more than the rest of a delivery's message."""
+    global _conf_allows_templates
+    if _conf_allows_templates is None:
+        _conf_allows_templates = (
+            app.conf.task_serializer == JSON_SERIALIZER
+            and not app.conf.task_compression
+            and not app.conf.task_send_sent_event
+        )
+    return _conf_allows_templates
 
 
 class _MessageTemplate:
@@ -316,6 +334,27 @@ def _parent_ids() -> tuple[str | None, str | None]:
     return parent.request.root_id or parent.request.id, parent.request.id
 
 
+# One redis-py client per kombu Redis channel, for its publishes. kombu's conn_or_acquire
+# builds a new client object (over the channel's connection pool) on every call, and
+# building one (its command callbacks, its key-prefixing wrapper) cost about as much as
+# the rest of a single delivery's publish. A client holds no connection of its own (each
+# command or pipeline takes one from the channel's pool and gives it back), so it can be
+# kept for as long as the channel lives.
+_publish_clients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_publish_clients_lock = threading.Lock()
+
+
+def _publish_client(channel: Any) -> Any:
+    client = _publish_clients.get(channel)
+    if client is None:
+        with _publish_clients_lock:
+            client = _publish_clients.get(channel)
+            if client is None:
+                with channel.conn_or_acquire() as made:
+                    client = _publish_clients[channel] = made
+    return client
+
+
 def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> None:
     channel = producer.channel
     parent = _parent_ids()
@@ -327,11 +366,10 @@ def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> Non
         target = message_target(route_level(route_carry(data)[0]), amqp=False)
         template = _template(producer.connection, *target)
         by_list.setdefault(channel._q_for_pri(*target), []).append(template.message(job_id, gen, parent))
-    with channel.conn_or_acquire() as client:
-        pipe = client.pipeline(transaction=False)
-        for name, messages in by_list.items():
-            pipe.lpush(name, *messages)
-        pipe.execute()
+    pipe = _publish_client(channel).pipeline(transaction=False)
+    for name, messages in by_list.items():
+        pipe.lpush(name, *messages)
+    pipe.execute()
 
 
 def _declarations(queue: str, *, amqp: bool) -> list[Any]:

@@ -37,7 +37,7 @@ from fairqueue import tracing
 from fairqueue.jobs import live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import job_placement
-from fairqueue.jobs.copy_insert import rows_copy
+from fairqueue.jobs.copy_insert import row_insert, rows_copy
 from fairqueue.jobs.delays import due_time, is_deferred
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
@@ -346,20 +346,28 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
 def _insert(jobs: Sequence[Job]) -> None:
     """Write the rows in one statement: a lone row by a plain INSERT (its own transaction;
     in a caller's transaction, a savepoint keeps a refused INSERT from breaking it), many by
-    one COPY on PostgreSQL (fairqueue.jobs.copy_insert), else one multi-row INSERT, in one
-    transaction."""
+    one COPY, in one transaction; on PostgreSQL both built once per process rather than by
+    the ORM per call (fairqueue.jobs.copy_insert), elsewhere `save()` and one multi-row
+    INSERT."""
     if len(jobs) == 1:
         if connection.in_atomic_block:
             with transaction.atomic():
-                jobs[0].save(force_insert=True)
+                _insert_one(jobs[0])
         else:
-            jobs[0].save(force_insert=True)
+            _insert_one(jobs[0])
         return
     with transaction.atomic():
         if connection.vendor == "postgresql":
             rows_copy(Job, jobs)
         else:
             Job.objects.bulk_create(jobs)
+
+
+def _insert_one(job: Job) -> None:
+    if connection.vendor == "postgresql":
+        row_insert(Job, job)
+    else:
+        job.save(force_insert=True)
 
 
 def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) -> bool:
