@@ -55,7 +55,7 @@ def prepared_enabled(connection: BaseDatabaseWrapper) -> bool:
 
 
 @contextmanager
-def hot_cursor(connection: BaseDatabaseWrapper) -> Iterator[Any]:
+def hot_cursor(connection: Any) -> Iterator[Any]:
     """A cursor on `connection`, used as `connection.cursor()` is, whose statements are
     prepared on PostgreSQL; the ordinary cursor elsewhere."""
     if not prepared_enabled(connection):
