@@ -30,7 +30,18 @@ local CHANGES_KEPT = 200000
 local TRIM_EVERY = 1000
 local changed, changed_list = {}, {}
 
+-- A cell whose set changed. Its summary is written once, after every operation of the
+-- call (a call is atomic: no reader sees the summary between two operations), so a bulk's
+-- entries or a claim batch's departures in one cell cost one count and one read of its
+-- oldest member, not one of each per job.
 local function refresh(cell)
+  if not changed[cell] then
+    changed[cell] = true
+    changed_list[#changed_list + 1] = cell
+  end
+end
+
+local function summarise(cell)
   local z = prefix .. 'z:' .. cell
   local n = redis.call('ZCARD', z)
   if n == 0 then
@@ -38,10 +49,6 @@ local function refresh(cell)
   else
     local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
     redis.call('HSET', summary, cell, n .. ' ' .. first[2])
-  end
-  if not changed[cell] then
-    changed[cell] = true
-    changed_list[#changed_list + 1] = cell
   end
 end
 
@@ -99,6 +106,9 @@ while i <= #ARGV do
     return redis.error_reply('cells: unknown operation ' .. tostring(op))
   end
   applied = applied + 1
+end
+for k = 1, #changed_list do
+  summarise(changed_list[k])
 end
 if #changed_list > 0 then
   local version = redis.call('INCR', prefix .. 'version')
