@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db import connection
 from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from fairqueue.jobs import groupcommit, jobrows
@@ -107,3 +108,12 @@ class PreparedStatementTests(RedisTestCase):
         self.assertTrue(any(jobrows._plan(connection.alias).select.split(" WHERE ")[0] in t for t in prepared))
         with override_settings(FAIRQUEUE=PLAIN):
             self.assertFalse(prepared_enabled(connection))
+
+    def test_a_connection_logging_its_queries_logs_the_statements_sql(self) -> None:
+        job = self.job()
+        with CaptureQueriesContext(connection) as logged:
+            self.run_path(job, timezone.now())
+        sqls = [q["sql"] for q in logged.captured_queries]
+        self.assertEqual(len(sqls), 3, sqls)
+        # With its values (SQLite writes a UUID as its hex digits).
+        self.assertTrue(all(str(job.id) in sql or job.id.hex in sql for sql in sqls), sqls)

@@ -11,10 +11,12 @@ statements for the worker's per-job SQL"). The statements' texts are built once 
 prepared statements at most; psycopg keeps them per connection (its `prepared_max`) and
 prepares them again on a new one.
 
-The cursor is wrapped as Django wraps its own (the connection's execute wrappers, the
-query log when DEBUG is on), so it counts and logs like any other. SQLite, or
-FAIRQUEUE_DB_PREPARED=0 (say, behind a pooler in transaction mode that does not carry
-prepared statements), gets the connection's ordinary cursor.
+The cursor is wrapped as Django wraps its own, so the connection's execute wrappers see
+its statements (the bench counts them so). SQLite, a connection that logs its queries
+(DEBUG on, assertNumQueries: Django's log reads a statement's SQL from what psycopg
+records of one it does not prepare), or FAIRQUEUE_DB_PREPARED=0 (say, behind a pooler in
+transaction mode that does not carry prepared statements) gets the connection's ordinary
+cursor.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def prepared_enabled(connection: BaseDatabaseWrapper) -> bool:
 def hot_cursor(connection: Any) -> Iterator[Any]:
     """A cursor on `connection`, used as `connection.cursor()` is, whose statements are
     prepared on PostgreSQL; the ordinary cursor elsewhere."""
-    if not prepared_enabled(connection):
+    # A connection logging its queries (DEBUG, assertNumQueries) keeps Django's own cursor:
+    # the log takes a statement's SQL from what psycopg records of one it sends unprepared.
+    if not prepared_enabled(connection) or connection.queries_logged:
         with connection.cursor() as cursor:
             yield cursor
         return
