@@ -103,6 +103,11 @@ while i <= #ARGV do
     if #kept > 0 then redis.call('HSET', of, job, table.concat(kept, '\2')) end
     i = i + 2
   else
+    -- The operations before it stay applied (a script's writes are not undone): so do
+    -- their cells' summaries, as when each was written at once.
+    for k = 1, #changed_list do
+      summarise(changed_list[k])
+    end
     return redis.error_reply('cells: unknown operation ' .. tostring(op))
   end
   applied = applied + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import redis
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -327,3 +328,13 @@ class CellsScriptTests(RedisTestCase):
         self.assertEqual(summary["p|x|a"], "1 10.5")
         self.assertEqual(summary["c|s|b"], "1 12")
         self.assertNotIn("t|y|a", summary)
+
+    def test_a_call_stopped_by_an_unknown_operation_keeps_its_applied_operations_summaries(self) -> None:
+        applied = self.OPS[:3]
+        self.apply(*[[op] for op in applied])
+        one_each = self.state()
+        redis_client().flushdb()
+        with self.assertRaises(redis.ResponseError):
+            self.apply([*applied, ["bogus", "j9"]])
+        self.assertEqual(self.state(), one_each)
+        self.assertEqual(one_each[0]["c|s|a"], "3 9.25")
