@@ -234,6 +234,10 @@ FAIRQUEUE = {
     # apart, the outcomes) its threads make at once as one statement; a batch waits at most
     # this long for a thread on its way to it. 0 sends each job's own statement.
     "GROUP_COMMIT_MS": env.float("FAIRQUEUE_GROUP_COMMIT_MS", default=2.0),
+    # The worker's per-job statements (row read, claim, outcome) prepared once per PostgreSQL
+    # connection (fairqueue/jobs/prepared.py); 0 sends them as plain text, e.g. behind a
+    # pooler in transaction mode that does not carry prepared statements.
+    "DB_PREPARED": env.bool("FAIRQUEUE_DB_PREPARED", default=True),
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),

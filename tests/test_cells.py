@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import redis
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -319,3 +320,57 @@ class CellsVersionTests(CellsTestCase):
         refreshed = cells.cells_refresh(view)
         self.assertEqual(refreshed.cells, cells.cells_read().cells)
         self.assertEqual(refreshed.tenants, cells.cells_read().tenants)
+
+
+class CellsScriptTests(RedisTestCase):
+    """lua/cells.lua writes a cell's summary once per call, after all its operations: the
+    same summary and cell sets as the operations applied one call each."""
+
+    OPS = [
+        ["set", "j1", "10.5", 2, "c|s|a", "t|x|a"],
+        ["set", "j2", "9.25", 2, "c|s|a", "t|y|a"],
+        ["set", "j3", "11", 2, "c|s|a", "t|x|a"],
+        ["park", "j1", "10.5", "p|x|a"],
+        ["park", "j3", "11", "p|x|a"],
+        ["del", "j2"],  # the oldest of c|s|a leaves: its oldest moves to j1
+        ["unpark", "j3"],
+        ["reset", "j2", "9.25", 2, "c|s|a", "t|y|a"],  # left: stays out
+        ["reset", "j3", "12", 2, "c|s|b", "t|x|b"],  # moves cells
+        ["set", "j4", "8", 1, "t|y|a"],
+        ["del", "j4"],  # t|y|a empties: no summary
+        ["del", "nobody"],
+    ]
+
+    def state(self) -> tuple[dict[str, str], dict[str, list[tuple[str, float]]], dict[str, str]]:
+        client = redis_client()
+        summary = client.hgetall(cells.SUMMARY_KEY)
+        sets = {key: client.zrange(key, 0, -1, withscores=True) for key in client.scan_iter(match=cells.PREFIX + "z:*")}
+        of = client.hgetall(cells.OF_KEY)
+        return summary, sets, of
+
+    def apply(self, *calls: list[list[object]]) -> None:
+        client = redis_client()
+        for ops in calls:
+            client.eval(cells._SOURCE, 1, cells.PREFIX, *(a for op in ops for a in op))
+
+    def test_operations_in_one_call_leave_what_one_call_each_leaves(self) -> None:
+        self.apply(*[[op] for op in self.OPS])
+        one_each = self.state()
+        redis_client().flushdb()
+        self.apply(self.OPS)
+        self.assertEqual(self.state(), one_each)
+        summary = one_each[0]
+        self.assertEqual(summary["c|s|a"], "1 10.5")  # j1 only (j2 left, j3 moved)
+        self.assertEqual(summary["p|x|a"], "1 10.5")
+        self.assertEqual(summary["c|s|b"], "1 12")
+        self.assertNotIn("t|y|a", summary)
+
+    def test_a_call_stopped_by_an_unknown_operation_keeps_its_applied_operations_summaries(self) -> None:
+        applied = self.OPS[:3]
+        self.apply(*[[op] for op in applied])
+        one_each = self.state()
+        redis_client().flushdb()
+        with self.assertRaises(redis.ResponseError):
+            self.apply([*applied, ["bogus", "j9"]])
+        self.assertEqual(self.state(), one_each)
+        self.assertEqual(one_each[0]["c|s|a"], "3 9.25")

@@ -70,6 +70,19 @@ class RateRingTests(RedisTestCase):
         _, mean = live.tenant_signals_read(tenant_slug="s")
         self.assertAlmostEqual(mean, 2.0 + live.MEAN_ALPHA * 10.0, places=5)
 
+    def test_a_tenants_durations_in_one_call_give_the_mean_one_call_each_gives(self) -> None:
+        seconds = [3.25, 0.0001234, 17.5, 2.0, 0.3333333]
+        for s in seconds:  # one script call each, as before a tenant's durations shared one
+            pipe = self.redis.pipeline(transaction=False)
+            live._queue_means(pipe, [("each", s)])
+            live._execute(pipe, [("each", s)])
+        pipe = self.redis.pipeline(transaction=False)
+        durations = [("one", s) for s in seconds] + [("other", 5.0)]
+        self.assertEqual(live._queue_means(pipe, durations), 2)  # one call per tenant
+        live._execute(pipe, durations)
+        self.assertEqual(self.redis.get(live.mean_key("one")), self.redis.get(live.mean_key("each")))
+        self.assertEqual(float(self.redis.get(live.mean_key("other"))), 5.0)
+
 
 class IncrementalReadTests(RedisTestCase):
     """The tick's read of every tenant's signals (live.SignalsView) reads again only what

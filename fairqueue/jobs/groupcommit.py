@@ -44,6 +44,7 @@ from django.db.models.functions import Coalesce
 from fairqueue.jobs import cells, jobrows, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
+from fairqueue.jobs.prepared import hot_cursor
 from webhooks.outbox import event_record, job_finish, webhook_target
 
 log = logging.getLogger("fairqueue.jobs.groupcommit")
@@ -200,7 +201,8 @@ def rows_update(
         if first.setdefault(_normal(change.job_id), i) == i:
             groups.setdefault(tuple(sorted(change.values)), []).append(i)
     won: set[uuid.UUID] = set()
-    with _atomic_if(len(groups) > 1, db), connection.cursor() as cursor:
+    # Prepared on PostgreSQL: each shape's statement is planned once per connection.
+    with _atomic_if(len(groups) > 1, db), hot_cursor(connection) as cursor:
         for names, members in groups.items():
             sql, params = _statement(connection, [changes[i] for i in members], names, statuses, expressions or {})
             cursor.execute(sql, params)

@@ -41,30 +41,43 @@ _MEAN_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "update_mean.lua")
 _MEAN_SHA = hashlib.sha1(_MEAN_SOURCE.encode()).hexdigest()
 
 
-def _queue_means(pipe: Any, durations: list[tuple[str, float]]) -> None:
-    """Queue the EWMA updates on a pipeline (EVALSHA: no per-call script existence check).
+def _mean_calls(durations: list[tuple[str, float]]) -> list[tuple[str, list[float]]]:
+    """The durations by tenant, each tenant's in order (one script call per tenant)."""
+    by_slug: dict[str, list[float]] = {}
+    for slug, seconds in durations:
+        by_slug.setdefault(slug, []).append(seconds)
+    return list(by_slug.items())
+
+
+def _queue_means(pipe: Any, durations: list[tuple[str, float]]) -> int:
+    """Queue the EWMA updates on a pipeline (EVALSHA: no per-call script existence check),
+    one call per tenant carrying its durations in order; returns the calls queued.
 
     Sent as a raw command: redis-py's cluster pipeline refuses its `evalsha` method, though
     it routes EVALSHA by its keys like any other command (one key here)."""
-    for slug, seconds in durations:
-        pipe.execute_command("EVALSHA", _MEAN_SHA, 1, mean_key(slug), f"{seconds:.6f}", MEAN_ALPHA, MEAN_TTL_SECONDS)
+    calls = _mean_calls(durations)
+    for slug, seconds in calls:
+        first, *more = (f"{s:.6f}" for s in seconds)
+        pipe.execute_command("EVALSHA", _MEAN_SHA, 1, mean_key(slug), first, MEAN_ALPHA, MEAN_TTL_SECONDS, *more)
+    return len(calls)
 
 
 def _execute(pipe: Any, durations: list[tuple[str, float]]) -> tuple[list[Any], bool]:
     """Run a pipeline that starts with queued mean updates; if Redis lost the script
     (a restart), load it and redo just those updates. Returns the other results and
     whether the updates were redone (reads in the pipeline then predate them)."""
+    queued = len(_mean_calls(durations))
     results: list[Any] = pipe.execute(raise_on_error=False)
-    redone = any(isinstance(r, redis.exceptions.NoScriptError) for r in results[: len(durations)])
+    redone = any(isinstance(r, redis.exceptions.NoScriptError) for r in results[:queued])
     if redone:
         redis_client().script_load(_MEAN_SOURCE)
         retry = redis_client().pipeline(transaction=False)
         _queue_means(retry, durations)
         retry.execute()
-    for r in results[len(durations) :]:
+    for r in results[queued:]:
         if isinstance(r, Exception):
             raise r
-    return results[len(durations) :], redone
+    return results[queued:], redone
 
 
 # The tick's shares are published in one MULTI, so they share a Redis Cluster hash tag.
