@@ -16,7 +16,8 @@ from fairqueue.jobs import groupcommit, jobrows
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.prepared import hot_cursor, prepared_enabled
-from tests.base import RedisTestCase
+from fairqueue.jobs.submission import JobRequest, job_submit
+from tests.base import RedisTestCase, RedisTransactionTestCase
 from tests.factories import make_tenant
 from tests.test_jobrows import values
 
@@ -117,3 +118,28 @@ class PreparedStatementTests(RedisTestCase):
         self.assertEqual(len(sqls), 3, sqls)
         # With its values (SQLite writes a UUID as its hex digits).
         self.assertTrue(all(str(job.id) in sql or job.id.hex in sql for sql in sqls), sqls)
+
+
+class PreparedInsertTests(RedisTransactionTestCase):
+    """A single submit's INSERT (fairqueue.jobs.copy_insert.row_insert) is prepared on the
+    web process's connection too, unless prepared statements are turned off."""
+
+    def inserts_prepared(self) -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'INSERT INTO %%'")
+            (count,) = cursor.fetchone()
+        return int(count)
+
+    def test_a_single_submits_insert_is_prepared_on_postgresql(self) -> None:
+        tenant, _ = make_tenant("prep-insert")  # autocommit: its policy sync runs at once
+        if connection.vendor != "postgresql":  # SQLite writes the row with save(): nothing to prepare
+            job_submit(tenant=tenant, req=JobRequest(task="demo.noop"))
+            self.assertTrue(Job.objects.filter(tenant=tenant).exists())
+            return
+        connection.close()  # a new connection: nothing prepared on it yet
+        with override_settings(FAIRQUEUE=PLAIN):
+            job_submit(tenant=tenant, req=JobRequest(task="demo.noop"))
+        self.assertEqual(self.inserts_prepared(), 0)
+        job_submit(tenant=tenant, req=JobRequest(task="demo.noop"))
+        self.assertEqual(self.inserts_prepared(), 1)
+        self.assertEqual(Job.objects.filter(tenant=tenant).count(), 2)

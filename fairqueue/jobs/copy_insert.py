@@ -11,9 +11,9 @@ the object holds it (the database's own types: UUID, datetime, numbers, strings)
 
 A lone row's INSERT was dominated by the ORM compiling the same statement anew and the
 client-side binding quoting every value in Python (Django's psycopg cursor binds on the
-client); row_insert's statement is built once and its values bound by the server, so
-psycopg also prepares it once it has run a few times on a connection (its prepare
-threshold), which spares PostgreSQL the parse and plan.
+client); row_insert's statement is built once and its values bound by the server, and
+prepared once per connection (fairqueue.jobs.prepared, unless FAIRQUEUE_DB_PREPARED=0),
+which spares PostgreSQL the parse and plan.
 
 Both statements go through the connection's execute wrappers and its query log like any
 other statement, and a database error (a unique key taken) is raised as Django's.
@@ -33,6 +33,8 @@ import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import DateField, Field, JSONField, Model
+
+from fairqueue.jobs.prepared import prepared_enabled, prepared_raw_cursor
 
 # How one field's value is read from an object, for the connection it is written on.
 Value = Callable[[Model, BaseDatabaseWrapper], Any]
@@ -109,8 +111,11 @@ def row_insert(model: type[Model], obj: Model) -> None:
 
 
 def _insert_executor(sql: str, params: Any, many: bool, context: dict[str, Any]) -> None:
-    # A server-binding cursor on the same connection (Django's own binds on the client).
-    with psycopg.Cursor(context["cursor"].cursor.connection) as cursor:
+    # A server-binding cursor on the same connection (Django's own binds on the client),
+    # preparing the statement unless prepared statements are turned off.
+    raw = context["cursor"].cursor.connection
+    cursor = prepared_raw_cursor(raw) if prepared_enabled(context["connection"]) else psycopg.Cursor(raw)
+    with cursor:
         cursor.execute(sql, params)
 
 

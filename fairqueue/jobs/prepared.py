@@ -1,5 +1,6 @@
-"""A cursor for the statements a worker sends for every job (the delivery's row read, the
-group commit's claim and outcome batches): on PostgreSQL each is prepared once per
+"""A cursor for the statements sent for every job (a worker's: the delivery's row read, the
+group commit's claim and outcome batches; a web process's: a single submit's INSERT,
+fairqueue.jobs.copy_insert.row_insert): on PostgreSQL each is prepared once per
 connection and then only executed, with its parameters bound by the server.
 
 Why: Django's psycopg cursors bind parameters on the client and send every statement as
@@ -51,6 +52,14 @@ class PreparedCursor(psycopg.Cursor[Any]):
         return self
 
 
+def prepared_raw_cursor(raw_connection: psycopg.Connection[Any]) -> PreparedCursor:
+    """A PreparedCursor on an open psycopg connection, with the connection's prepared
+    statements turned on."""
+    if raw_connection.prepare_threshold is None:
+        raw_connection.prepare_threshold = PREPARE_THRESHOLD
+    return PreparedCursor(raw_connection)
+
+
 def prepared_enabled(connection: BaseDatabaseWrapper) -> bool:
     """Whether `hot_cursor` prepares statements on this connection."""
     return connection.vendor == POSTGRESQL and bool(settings.FAIRQUEUE["DB_PREPARED"])
@@ -71,9 +80,7 @@ def hot_cursor(connection: Any) -> Iterator[Any]:
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        if connection.connection.prepare_threshold is None:
-            connection.connection.prepare_threshold = PREPARE_THRESHOLD
-        raw = PreparedCursor(connection.connection)
+        raw = prepared_raw_cursor(connection.connection)
         tzloader = connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
         if connection.timezone != tzloader.timezone:
             register_tzloader(connection.timezone, raw)
