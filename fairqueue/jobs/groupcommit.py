@@ -165,10 +165,6 @@ class Batcher(Generic[T, R]):
         return batch.results[index]
 
 
-def _normal(value: Any) -> uuid.UUID:
-    return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
-
-
 @dataclass(frozen=True)
 class RowChange:
     """One member of a batched conditional UPDATE of a job row: where (id, generation,
@@ -198,7 +194,7 @@ def rows_update(
     first: dict[uuid.UUID, int] = {}
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, change in enumerate(changes):
-        if first.setdefault(_normal(change.job_id), i) == i:
+        if first.setdefault(jobrows.job_uuid(change.job_id), i) == i:
             groups.setdefault(tuple(sorted(change.values)), []).append(i)
     won: set[uuid.UUID] = set()
     # Prepared on PostgreSQL: each shape's statement is planned once per connection.
@@ -206,8 +202,8 @@ def rows_update(
         for names, members in groups.items():
             sql, params = _statement(connection, [changes[i] for i in members], names, statuses, expressions or {})
             cursor.execute(sql, params)
-            won.update(_normal(row[0]) for row in cursor.fetchall())
-    return [first[key] == i and key in won for i, key in enumerate(_normal(c.job_id) for c in changes)]
+            won.update(jobrows.job_uuid(row[0]) for row in cursor.fetchall())
+    return [first[key] == i and key in won for i, key in enumerate(jobrows.job_uuid(c.job_id) for c in changes)]
 
 
 def _field(name: str) -> Field[Any, Any]:
@@ -239,7 +235,7 @@ def _statement(
     pk = _field("id")
     params: list[Any] = []
     for change in changes:
-        params.append(pk.get_db_prep_save(_normal(change.job_id), connection))
+        params.append(pk.get_db_prep_save(jobrows.job_uuid(change.job_id), connection))
         params.append(change.generation)
         params.extend(f.get_db_prep_save(change.values[f.name], connection) for f in fields)
         params.append(change.lines)
@@ -328,11 +324,11 @@ def _outcomes_flush(items: list[Outcome]) -> list[bool]:
 
 
 def _reads_flush(keys: list[tuple[str, int]]) -> list[Job | None]:
-    rows = jobrows.jobs_waiting({_normal(job_id) for job_id, _ in keys})
+    rows = jobrows.jobs_waiting({jobrows.job_uuid(job_id) for job_id, _ in keys})
     out: list[Job | None] = []
     given: set[uuid.UUID] = set()
     for job_id, generation in keys:
-        key = _normal(job_id)
+        key = jobrows.job_uuid(job_id)
         job = rows.get(key)
         if job is None or job.generation != generation:
             out.append(None)
@@ -351,7 +347,7 @@ outcomes: Batcher[Outcome, bool] = Batcher("outcomes", _outcomes_flush)
 def job_waiting(*, job_id: str, generation: int) -> Job | None:
     """The row of a delivery, with its tenant and shard, if that generation still waits
     (queued or parked): its own SELECT (built once per process: fairqueue.jobs.jobrows)."""
-    job = jobrows.jobs_waiting([job_id]).get(_normal(job_id))
+    job = jobrows.jobs_waiting([job_id]).get(jobrows.job_uuid(job_id))
     return job if job is not None and job.generation == generation else None
 
 

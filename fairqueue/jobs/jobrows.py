@@ -86,14 +86,15 @@ def _plan_build(alias: str) -> _Plan:
     return _Plan(select=select, parts=(parts[0], parts[1], parts[2]))
 
 
-def _normal(value: Any) -> uuid.UUID:
+def job_uuid(value: Any) -> uuid.UUID:
+    """A job id (a UUID or its text) as a UUID, the rows' keys."""
     return value if isinstance(value, uuid.UUID) else uuid.UUID(str(value))
 
 
 def jobs_waiting(job_ids: Collection[Any]) -> dict[uuid.UUID, Job]:
     """The rows of these jobs that wait (queued or parked), each with its tenant and shard
     cached as `select_related("tenant__shard")` leaves them; by id."""
-    ids = {_normal(job_id) for job_id in job_ids}
+    ids = {job_uuid(job_id) for job_id in job_ids}
     if not ids:
         return {}
     db = router.db_for_read(Job)
