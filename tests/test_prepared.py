@@ -124,6 +124,8 @@ class PreparedInsertTests(RedisTransactionTestCase):
     """A single submit's INSERT (fairqueue.jobs.copy_insert.row_insert) is prepared on the
     web process's connection too, unless prepared statements are turned off."""
 
+    serialized_rollback = True  # the latency classes the migrations seed, back after the flush
+
     def inserts_prepared(self) -> int:
         with connection.cursor() as cursor:
             cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'INSERT INTO %%'")
