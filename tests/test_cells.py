@@ -127,9 +127,10 @@ class CellsTests(CellsTestCase):
         )
 
 
-class CellsScriptTests(RedisTestCase):
-    """lua/cells.lua writes a changed cell's summary once per call: the same summary as
-    when each operation is a call of its own."""
+class CellsScriptBulkTests(RedisTestCase):
+    """lua/cells.lua writes a changed cell's summary once per call: a bulk's worth of
+    operations on a few cells, under a prefix of the test's own, leaves the same summary
+    as when each operation is a call of its own."""
 
     def apply(self, prefix: str, ops: list[list[object]], *, one_call: bool) -> None:
         calls = [[a for op in ops for a in op]] if one_call else ops
