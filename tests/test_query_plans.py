@@ -45,3 +45,23 @@ class QueryPlanTests(RedisTestCase):
     def test_a_query_with_no_index_to_use_is_reported_as_a_scan(self) -> None:
         call_command("explain_queries", "--seed", "3000", "--max-ms", "5000", stdout=StringIO())
         self.assertFalse(check(Job.objects.filter(task="demo.noop").order_by(), "unindexed").uses_index)
+
+
+class JobTableIndexTests(RedisTestCase):
+    """The job table has no index its others cover (each costs every UPDATE of a row one
+    more entry): none on tenant_id or status alone, no LIKE twins (migration 0012)."""
+
+    def test_the_job_table_has_only_the_indexes_its_queries_need(self) -> None:
+        with connection.cursor() as cursor:
+            found = connection.introspection.get_constraints(cursor, Job._meta.db_table)
+        indexed = {tuple(c["columns"]) for c in found.values() if c["index"] and not c["primary_key"]}
+        self.assertNotIn(("tenant_id",), indexed)
+        self.assertNotIn(("status",), indexed)
+        self.assertIn(("error_reason",), indexed)  # the admin's filter keeps its own
+        self.assertIn(("status", "finished_at"), indexed)  # what serves lookups by status
+        self.assertIn(("tenant_id", "status", "submitted_at"), indexed)  # and by tenant
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT indexname FROM pg_indexes WHERE tablename = %s", [Job._meta.db_table])
+                names = {name for (name,) in cursor.fetchall()}
+            self.assertEqual({n for n in names if n.endswith("_like")}, set())
