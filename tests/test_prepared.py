@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from django.conf import settings
 from django.db import connection
 from django.test import override_settings
@@ -28,6 +29,15 @@ SAME_EXCEPT = ("id",)
 def row(job_id: Any) -> dict[str, Any]:
     found = values(Job.objects.get(id=job_id))
     return {k: v for k, v in found.items() if k not in SAME_EXCEPT}
+
+
+def deallocate_all() -> None:
+    """Forget what the session prepared, on the server and in psycopg's own record of it
+    (psycopg clears that when it sees DEALLOCATE ALL). Connections come from a pool, so a
+    test's session may hold what earlier tests prepared."""
+    connection.ensure_connection()
+    with psycopg.Cursor(connection.connection) as cursor:
+        cursor.execute("DEALLOCATE ALL")
 
 
 class PreparedStatementTests(RedisTestCase):
@@ -93,6 +103,8 @@ class PreparedStatementTests(RedisTestCase):
 
     def test_the_statements_are_prepared_on_postgresql_only(self) -> None:
         job = self.job()
+        if connection.vendor == "postgresql":
+            deallocate_all()
         self.run_path(job, timezone.now())
         self.assertEqual(prepared_enabled(connection), connection.vendor == "postgresql")
         if connection.vendor != "postgresql":
@@ -138,7 +150,7 @@ class PreparedInsertTests(RedisTransactionTestCase):
             job_submit(tenant=tenant, req=JobRequest(task="demo.noop"))
             self.assertTrue(Job.objects.filter(tenant=tenant).exists())
             return
-        connection.close()  # a new connection: nothing prepared on it yet
+        deallocate_all()
         with override_settings(FAIRQUEUE=PLAIN):
             job_submit(tenant=tenant, req=JobRequest(task="demo.noop"))
         self.assertEqual(self.inserts_prepared(), 0)
