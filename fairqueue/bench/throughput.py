@@ -50,6 +50,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from django.db import connection
 
 from fairqueue.bench import querycount, stack
 from fairqueue.jobs.broker import JOBS_QUEUE
@@ -442,7 +443,6 @@ def child_main(spec_path: str, out_path: str) -> None:
     counts = os.environ.pop(COUNT_DIR_ENV)
     django.setup()
     from django.conf import settings
-    from django.db import connection
 
     spec = json.loads(Path(spec_path).read_text())
     sizes = Sizes(**spec["sizes"])
@@ -528,9 +528,6 @@ def _processes_cpu(parent: int | None) -> float:
 def _postgres_cpu() -> dict[str, float] | None:
     """CPU seconds so far of each PostgreSQL backend serving the bench's database (from
     /proc: None unless the server runs on this machine, or on SQLite)."""
-    # Django's models exist only after django.setup() in the child (child_main): imported here.
-    from django.db import connection
-
     if connection.vendor != "postgresql":
         return None
     with connection.cursor() as cursor:
