@@ -21,6 +21,7 @@ from fairqueue.jobs.fleet import (
 from fairqueue.jobs.leadership import LEASE_MS, DutyLease, duty_leader
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.stats import STATS_KEY
+from fairqueue.jobs.worker import TICK_SECONDS
 from tenants.models import Tenant
 from tests.base import RedisTestCase
 from tests.factories import make_tenant
@@ -28,7 +29,7 @@ from tests.test_jobs_e2e import E2EBase
 from tests.workers import WorkerProcess, wait_for
 
 WINDOW_SECONDS = 6.0
-TICKS_PER_SECOND_ONE_WORKER = 2.0  # the ticker's 0.5 s mean interval
+TICKS_PER_SECOND_ONE_WORKER = 1 / TICK_SECONDS  # the ticker's mean interval
 
 
 class FleetDutyTests(E2EBase):

@@ -32,6 +32,9 @@ from tests.factories import make_tenant
 from tests.test_tenants_admin import tenant_form
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whatif"
+# The duty tick's period on the fleet that recorded the fixtures (2026-11-30), which the
+# replay models; the tick has run every 0.25 s since 2026-12-01.
+FIXTURES_TICK_SECONDS = 0.5
 # The bar: simulated P50 and P99 waits within 25 % of the measured ones.
 TOLERANCE = 0.25
 SEEDS = 7  # the model draws latencies: the median over seeds is its prediction
@@ -274,7 +277,12 @@ class ReplayOfARecordedBench(RedisTestCase):
         latencies = latencies_measure(timings, slots=slots)
         measured = [t.started - t.submitted for t in timings]
         runs = [
-            simulate(arrivals, policy=policy, shard="bench", config=SimConfig(slots=slots, latencies=latencies, seed=s))
+            simulate(
+                arrivals,
+                policy=policy,
+                shard="bench",
+                config=SimConfig(slots=slots, latencies=latencies, seed=s, refresh_seconds=FIXTURES_TICK_SECONDS),
+            )
             for s in range(SEEDS)
         ]
         figures = {}

@@ -32,7 +32,7 @@ from fairqueue.simulation.scheduler import (
 from tenants.whatif import PolicyOutcome, TenantWaits, WhatIfComparison, WhatIfError, WhatIfRequest
 
 SERIES_SAMPLES = 120
-# The model refreshes limits every 0.5 s (jittered) like the fleet, skipping the time no
+# The model refreshes limits every 0.25 s (jittered) like the fleet, skipping the time no
 # job waits; a refresh costs about as much as a few jobs. Past this many jobs a replay
 # refreshes proportionally less often, to keep 1,000x real time on a day of a busy shard;
 # the comparison says which period it used.

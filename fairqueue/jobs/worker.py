@@ -33,7 +33,11 @@ from fairqueue.jobs.leases import active_leases
 
 log = logging.getLogger("fairqueue.worker")
 
-TICK_SECONDS = 0.5  # jittered 0.25-0.75 s: admin edits reach workers within a second
+# Jittered 0.125-0.375 s. Besides admin edits reaching workers well within a second: a slot a
+# steady tenant's job frees while a burst waits stays idle until the next tick shares it out
+# (tenants.limits.idle_shares), so the tick's period is idle slot-time under a backlog
+# (docs/fairness.md, "The duty tick's period").
+TICK_SECONDS = 0.25
 DRAIN_POLL_SECONDS = 0.05
 
 _stop = threading.Event()

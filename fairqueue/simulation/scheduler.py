@@ -6,7 +6,7 @@ What is modelled, and with which code:
   `fairqueue.jobs.admission.admission_plan` (sub-tenant, tenant or batch key, shard key),
   with the signals of the last limit refresh, as a web process caches them; the engine's
   decision is `engine_model.EngineModel` (same rules as the Lua).
-- **The limit refresh** every `refresh_seconds` (the duty tick runs every 0.5 s; the model
+- **The limit refresh** every `refresh_seconds` (the duty tick runs every 0.25 s; the model
   every IDLE_REFRESH_SECONDS while no job waits for a slot):
   `fairqueue.jobs.limits_plan.limits_plan` (fair shares, idle shares, the limit formula of
   tenants.limits) on simulated signals: submissions per rate-ring interval (median, as
@@ -63,9 +63,9 @@ from fairqueue.simulation.engine_model import EngineModel, KeySpec
 from fairqueue.simulation.records import Arrival
 from tenants.policy import PolicySnapshot
 
-# The duty tick's period: fairqueue.jobs.worker.TICK_SECONDS, jittered like the worker's
-# ticker (0.5x to 1.5x of it, uniformly).
-REFRESH_SECONDS = 0.5
+# The duty tick's period: fairqueue.jobs.worker.TICK_SECONDS (kept equal by hand: this
+# model imports no worker), jittered like the worker's ticker (0.5x to 1.5x of it, uniformly).
+REFRESH_SECONDS = 0.25
 REFRESH_JITTER = (0.5, 1.5)
 # While no job waits for a slot (none parked, none in the broker), the model refreshes this
 # often instead: the time a refresh costs goes to the periods where it decides something.
