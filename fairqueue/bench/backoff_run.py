@@ -19,7 +19,7 @@ from fairqueue.bench.upstream import FakeUpstream
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.submission import JobRequest, job_submit_bulk
 from tenants.models import Resource, Shard, Tenant
-from tenants.policy import policy_invalidate, policy_snapshot
+from tenants.policy import CHECK_INTERVAL_SECONDS, policy_invalidate, policy_snapshot
 from tenants.resource_limits import resource_limits_read, resource_limits_reset
 
 RESOURCE = "fake-upstream"
@@ -82,6 +82,10 @@ def backoff_run(w: Workload, tenant: Tenant, *, timeout: float = 600.0) -> dict[
     """Submit the jobs, wait for all to finish, and return what happened: refusals (all, and
     after the warm-up), elapsed and ideal seconds, the effective limit's range."""
     _resource_ready(w, time.monotonic() + 30)
+    # A worker reads the policy at most CHECK_INTERVAL_SECONDS after it changed: until then
+    # its releases carry the resource's old limit to the engine (the run before's 8, say,
+    # against a known limit of 3), so the run starts once every worker has read it.
+    time.sleep(2 * CHECK_INTERVAL_SECONDS)
     resource_limits_reset(RESOURCE)
     samples: list[tuple[float, float, int]] = []  # (time, effective, key limit)
     stop = threading.Event()
