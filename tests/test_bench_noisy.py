@@ -96,6 +96,22 @@ class MetricTests(SimpleTestCase):
         self.assertAlmostEqual(backlog, 0.9)
         self.assertAlmostEqual(util or 0.0, 0.5)
 
+    def test_only_steady_work_done_while_a_noisy_job_waits_counts_as_displacing_it(self) -> None:
+        # Two slots. A long noisy job holds one; the other runs a steady job while a second
+        # noisy job waits for it (displacing), then that noisy job, then a steady job while
+        # no noisy job waits (in the window, delaying nothing).
+        records = [
+            record(NOISY_SLUG, 0.0, 0.0, 3.0),
+            record("quiet-1", 0.0, 0.0, 1.0),
+            record(NOISY_SLUG, 0.0, 1.0, 1.0),
+            record("quiet-2", 2.0, 2.0, 0.5),
+        ]
+        m = mode_metrics(records, slots=2)
+        self.assertAlmostEqual(m["noisy_makespan_s"], 3.0)
+        self.assertAlmostEqual(m["quiet_work_in_noisy_window_s"], 0.75)
+        self.assertAlmostEqual(m["quiet_work_displacing_noisy_s"], 0.5)
+        self.assertAlmostEqual(m["noisy_makespan_excl_displacing_quiet_s"], 2.5)
+
     def test_targets_need_every_mode(self) -> None:
         m = mode_metrics([record("quiet-1", 0.0, 0.0, 0.1), record(NOISY_SLUG, 0.0, 0.2, 0.1)], slots=1)
         self.assertTrue(set(m) >= METRIC_KEYS)
@@ -126,6 +142,7 @@ class BenchNoisySmokeTests(SimpleTestCase):
                 "utilization",
                 "noisy_makespan",
                 "noisy_makespan_excl_quiet_work",  # informational: not part of all_targets_met
+                "noisy_makespan_excl_displacing_quiet_work",  # the same
             },
         )
         for target in doc["targets"].values():

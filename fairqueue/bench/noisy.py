@@ -219,6 +219,16 @@ def backlog_utilisation(records: Sequence[dict[str, Any]], slots: int) -> tuple[
     return busy / (slots * length), length
 
 
+def quiet_work_displacing(quiet: Sequence[dict[str, Any]], noisy: Sequence[dict[str, Any]], *, slots: int) -> float:
+    """The steady tenants' work that ran while a noisy job waited for a slot, in seconds of
+    the whole pool (slot-seconds / slots): the work that delays the noisy tenant. Steady
+    work in a slot no noisy job was waiting for (fifo runs the steady jobs it deferred in
+    the burst's last seconds, when fewer noisy jobs are left than slots) delays nothing."""
+    union = intervals_union([(r["submitted"], r["started"]) for r in noisy])
+    starts = [a for a, _ in union]
+    return sum(overlap(r["run_started"], r["run_finished"], union, starts) for r in quiet) / slots
+
+
 def mode_metrics(records: Sequence[dict[str, Any]], *, slots: int) -> dict[str, Any]:
     quiet = [r for r in records if r["tenant"] != NOISY_SLUG]
     noisy = [r for r in records if r["tenant"] == NOISY_SLUG]
@@ -234,10 +244,12 @@ def mode_metrics(records: Sequence[dict[str, Any]], *, slots: int) -> dict[str, 
     # fair scheduler runs it during the burst (fifo defers it until after), so it lengthens
     # the noisy makespan by design rather than by waste.
     quiet_in_window = None
+    quiet_displacing = None
     if noisy:
         window = [(min(r["submitted"] for r in noisy), max(r["finished"] for r in noisy))]
         starts = [window[0][0]]
         quiet_in_window = sum(overlap(r["run_started"], r["run_finished"], window, starts) for r in quiet) / slots
+        quiet_displacing = quiet_work_displacing(quiet, noisy, slots=slots)
 
     def rnd(x: float | None, n: int = 4) -> float | None:
         return None if x is None else round(x, n)
@@ -250,6 +262,10 @@ def mode_metrics(records: Sequence[dict[str, Any]], *, slots: int) -> dict[str, 
         "noisy_makespan_s": rnd(makespan, 3),
         "quiet_work_in_noisy_window_s": rnd(quiet_in_window, 3),
         "noisy_makespan_excl_quiet_s": rnd(None if makespan is None else makespan - (quiet_in_window or 0.0), 3),
+        "quiet_work_displacing_noisy_s": rnd(quiet_displacing, 3),
+        "noisy_makespan_excl_displacing_quiet_s": rnd(
+            None if makespan is None else makespan - (quiet_displacing or 0.0), 3
+        ),
         "utilization": rnd(util, 4),
         "jobs_per_s": rnd(len(records) / (last - first), 2) if last > first else None,
         "jobs": len(records),
@@ -300,7 +316,7 @@ def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "met": None if (fu is None or iu is None) else (fu >= 0.9 and fu > iu),
     }
 
-    def makespan_ratio(figure: str, target: str) -> dict[str, Any]:
+    def makespan_ratio(figure: str, target: str, bound: float = 1.1) -> dict[str, Any]:
         f, q = get(fair, figure), get(fifo, figure)
         ratio = None if (f is None or not q) else f / q
         return {
@@ -308,7 +324,7 @@ def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "fair": f,
             "fifo": q,
             "ratio_fair_over_fifo": None if ratio is None else round(ratio, 3),
-            "met": None if ratio is None else ratio <= 1.1,
+            "met": None if ratio is None else ratio <= bound,
         }
 
     out["noisy_makespan"] = makespan_ratio("noisy_makespan_s", "fair noisy makespan <= 1.1 x fifo's")
@@ -317,6 +333,13 @@ def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out["noisy_makespan_excl_quiet_work"] = makespan_ratio(
         "noisy_makespan_excl_quiet_s",
         "(informational) same ratio without the steady tenants' work inside the window <= 1.1",
+    )
+    # The same without only the steady work that ran while a noisy job waited: what the
+    # scheduler's own overhead adds to the burst, the rest being the steady tenants' due.
+    out["noisy_makespan_excl_displacing_quiet_work"] = makespan_ratio(
+        "noisy_makespan_excl_displacing_quiet_s",
+        "(informational) same ratio without the steady tenants' work done while a noisy job waited <= 1.05",
+        bound=1.05,
     )
     return out
 
@@ -506,6 +529,8 @@ def run(
             "utilization": f"busy slot-seconds (task bodies) inside backlog periods / (slots x backlog seconds); "
             f"a job is backlogged from submitted + {BACKLOG_GRACE_S}s until it starts",
             "makespan": "last noisy finish - first noisy submit",
+            "quiet_work_displacing_noisy_s": "steady jobs' run time while some noisy job waited for a slot "
+            "(submitted until started), in slot-seconds / slots",
             "jobs_per_s": "jobs / (last finish - first submit)",
         },
         "targets": targets_check(results),
