@@ -234,6 +234,9 @@ FAIRQUEUE = {
     # apart, the outcomes) its threads make at once as one statement; a batch waits at most
     # this long for a thread on its way to it. 0 sends each job's own statement.
     "GROUP_COMMIT_MS": env.float("FAIRQUEUE_GROUP_COMMIT_MS", default=2.0),
+    # A worker slot whose job ended takes the broker's next delivery itself instead of
+    # waiting for Celery's consumer to fetch it (fairqueue/jobs/handoff.py; Redis broker).
+    "PULL_DELIVERIES": env.bool("FAIRQUEUE_PULL_DELIVERIES", default=True),
     # The worker's per-job statements (row read, claim, outcome) prepared once per PostgreSQL
     # connection (fairqueue/jobs/prepared.py); 0 sends them as plain text, e.g. behind a
     # pooler in transaction mode that does not carry prepared statements.

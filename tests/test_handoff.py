@@ -1,6 +1,8 @@
 """Slot handoff (issue 19): the worker whose release freed a slot runs the woken job in it,
 with no broker message, unless something waits in the broker first, the worker does not
 read that job's queue, or it is shutting down; and a fault on the way strands nothing.
+When the release wakes nothing, the slot pulls the broker's next delivery itself, the one
+the worker's fetch would take, under the same conditions.
 
 Real Redis, real worker processes; the Redis fault is a real connection failure.
 """
@@ -21,11 +23,14 @@ from fairqueue.jobs.broker import (
     BATCH_QUEUE,
     BATCH_ROUTE,
     JOBS_QUEUE,
+    RUN_TASK_NAME,
     deliveries_ahead,
     delivery_publish,
     delivery_route,
+    delivery_unpull,
+    run_job_target,
 )
-from fairqueue.jobs.handoff import handoff_disable, handoff_enable, handoff_stop, inline_pick
+from fairqueue.jobs.handoff import handoff_disable, handoff_enable, handoff_stop, inline_pick, next_delivery
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.recovery import jobs_admit_pending
 from fairqueue.jobs.runtime import engine
@@ -40,6 +45,8 @@ DEAD_REDIS = "redis://127.0.0.1:1/15"  # nothing listens on port 1: a real conne
 BOTH_QUEUES = [JOBS_QUEUE, BATCH_QUEUE]
 CHAIN_JOBS = 5
 INSPECT_TIMEOUT_SECONDS = 5.0
+PULLED_JOBS = 12
+OTHER_TASK = "tests.not_a_job"  # a task name no worker here registers: only its message matters
 
 
 def broker_messages() -> int:
@@ -123,6 +130,159 @@ class InlinePickTests(RedisTestCase):
         handoff_enable(lambda: BOTH_QUEUES)
         handoff_stop()
         self.assertIsNone(inline_pick(self.woken("2")))
+
+
+def job_engine_id(n: int) -> str:
+    return f"00000000-0000-0000-0000-{n:012d}.0"
+
+
+def first_fetched() -> str:
+    """The task of the message a worker's fetch (one BRPOP over every list) takes next;
+    the message is acknowledged and gone."""
+    fetched: list[str] = []
+
+    def take(body: object, message: Message) -> None:
+        fetched.append(str(message.headers["task"]))
+        message.ack()
+
+    conn = app.connection_for_read()
+    with conn, conn.Consumer(list(app.amqp.queues.values()), callbacks=[take], accept=["json"]):
+        conn.drain_events(timeout=5)
+    return fetched[0]
+
+
+class PullTests(RedisTestCase):
+    """The pull itself, in this process, against the real broker."""
+
+    def tearDown(self) -> None:
+        handoff_disable()
+        super().tearDown()
+
+    def test_outside_a_worker_nothing_is_pulled(self) -> None:
+        delivery_publish(job_engine_id(1), "3")
+        self.assertIsNone(next_delivery())
+        self.assertEqual(broker_messages(), 1)
+
+    def test_a_slot_pulls_what_the_worker_would_fetch_next_class_by_class_then_the_lane(self) -> None:
+        handoff_enable(lambda: BOTH_QUEUES)
+        delivery_publish(job_engine_id(1), BATCH_ROUTE)
+        delivery_publish(job_engine_id(2), "5")
+        delivery_publish(job_engine_id(3), "2")
+        delivery_publish(job_engine_id(4), "5")
+        pulled = [next_delivery() for _ in range(4)]
+        self.assertEqual(
+            [(p.job_id, p.generation) if p else None for p in pulled],
+            [(job_engine_id(n)[:-2], 0) for n in (3, 2, 4, 1)],
+            "the highest class first, in publishing order within a class, the batch lane last",
+        )
+        self.assertIsNone(next_delivery(), "nothing left")
+        self.assertEqual(broker_messages(), 0)
+        self.assertEqual(self.redis.hlen("fq:celery:unacked"), 0, "a pulled delivery is not kombu's to restore")
+
+    def test_a_worker_that_leaves_the_batch_lane_to_others_pulls_nothing_from_it(self) -> None:
+        handoff_enable(lambda: [JOBS_QUEUE])
+        delivery_publish(job_engine_id(1), BATCH_ROUTE)
+        self.assertIsNone(next_delivery())
+        self.assertEqual(broker_messages(), 1)
+
+    def test_a_worker_shutting_down_or_running_all_it_offers_pulls_nothing(self) -> None:
+        delivery_publish(job_engine_id(1), "1")
+        handoff_enable(lambda: BOTH_QUEUES, may_start=lambda: False)
+        self.assertIsNone(next_delivery(), "the worker runs as many jobs as it offers")
+        handoff_enable(lambda: BOTH_QUEUES)
+        handoff_stop()
+        self.assertIsNone(next_delivery(), "warm shutdown")
+        self.assertEqual(broker_messages(), 1)
+
+    def test_another_task_s_message_goes_back_where_the_worker_s_fetch_takes_it_next(self) -> None:
+        handoff_enable(lambda: BOTH_QUEUES)
+        app.send_task(OTHER_TASK, queue=JOBS_QUEUE, priority=1)
+        delivery_publish(job_engine_id(1), "1")  # the same list, behind it
+        self.assertIsNone(next_delivery(), "not a job's delivery: left to Celery's consumer")
+        self.assertEqual(broker_messages(), 2)
+        self.assertEqual(first_fetched(), OTHER_TASK)
+        pulled = next_delivery()
+        self.assertEqual(pulled.job_id if pulled else None, job_engine_id(1)[:-2])
+
+    def test_a_delivery_with_an_eta_is_left_to_celery_s_consumer(self) -> None:
+        handoff_enable(lambda: BOTH_QUEUES)
+        app.send_task(RUN_TASK_NAME, args=[job_engine_id(1)[:-2], 0], queue=JOBS_QUEUE, priority=1, countdown=60)
+        self.assertIsNone(next_delivery())
+        self.assertEqual(broker_messages(), 1)
+
+    def test_a_pulled_delivery_put_back_is_the_next_one_fetched(self) -> None:
+        handoff_enable(lambda: BOTH_QUEUES)
+        delivery_publish(job_engine_id(1), "4")
+        delivery_publish(job_engine_id(2), "4")
+        pulled = next_delivery()
+        self.assertIsNotNone(pulled)
+        assert pulled is not None
+        delivery_unpull(pulled)
+        again = next_delivery()
+        self.assertEqual(again.job_id if again else None, job_engine_id(1)[:-2])
+
+    def test_the_job_is_read_from_every_way_celery_may_write_the_message(self) -> None:
+        job_id = job_engine_id(7)[:-2]
+        handoff_enable(lambda: BOTH_QUEUES)
+        app.send_task(RUN_TASK_NAME, args=[job_id, 3], queue=JOBS_QUEUE, priority=2)
+        app.send_task(RUN_TASK_NAME, kwargs={"job_id": job_id, "generation": 4}, queue=JOBS_QUEUE, priority=2)
+        first, second = next_delivery(), next_delivery()
+        self.assertEqual((first.job_id, first.generation) if first else None, (job_id, 3))
+        self.assertEqual((second.job_id, second.generation) if second else None, (job_id, 4))
+        self.assertIsNone(run_job_target(b"not json"))
+        self.assertIsNone(run_job_target(b'{"headers": {"task": "fairqueue.run_job"}, "body": "[]"}'))
+
+
+class PullEndToEndTests(E2EBase):
+    def test_a_slot_runs_the_broker_s_deliveries_one_after_another_under_one_consumer_delivery(self) -> None:
+        _, key = make_tenant("pulled", floor=PULLED_JOBS)  # none waits on a limit
+        ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.05}})["id"] for _ in range(PULLED_JOBS)]
+        self.assertEqual(broker_messages(), PULLED_JOBS, "every job waits in the broker before a worker starts")
+        with WorkerProcess(slots=1, name="puller") as worker:
+            jobs = self.wait_all_finished(ids)
+            self.assertEqual(deliveries_received(worker.hostname), 1, "the others were pulled by the slot")
+            wait_for(lambda: stats_read().get("delivery:pulled") == PULLED_JOBS - 1, message="the pulls counted")
+            wait_for(lambda: not self.redis.hlen("fq:celery:unacked"), message="the one delivery acknowledged")
+        self.assertEqual({j.status for j in jobs}, {JobStatus.SUCCEEDED})
+        self.assertEqual([j.attempts for j in jobs], [1] * PULLED_JOBS)
+        starts = [j.started_at for j in sorted(jobs, key=lambda j: j.submitted_at)]
+        self.assertEqual(starts, sorted(starts), "run in the order they were published")
+        self.assertEqual(sorted(LedgerEntry.objects.values_list("writes", flat=True)), [1] * PULLED_JOBS)
+        self.assertEqual(broker_messages(), 0)
+
+    def test_with_pulls_off_every_delivery_goes_through_celery_s_consumer(self) -> None:
+        _, key = make_tenant("unpulled", floor=CHAIN_JOBS)
+        ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.05}})["id"] for _ in range(CHAIN_JOBS)]
+        with WorkerProcess(slots=1, name="nopull", FAIRQUEUE_PULL_DELIVERIES="0") as worker:
+            jobs = self.wait_all_finished(ids)
+            self.assertEqual(deliveries_received(worker.hostname), CHAIN_JOBS)
+        self.assertEqual({j.status for j in jobs}, {JobStatus.SUCCEEDED})
+        self.assertNotIn("delivery:pulled", stats_read())
+
+    def test_a_worker_killed_while_running_a_pulled_job_runs_no_job_twice_and_strands_none(self) -> None:
+        _, key = make_tenant("pullkill", floor=CHAIN_JOBS)
+        env = {"FAIRQUEUE_LEASE_SECONDS": "1", "FAIRQUEUE_VISIBILITY_TIMEOUT": "2"}
+        ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.6}})["id"] for _ in range(CHAIN_JOBS)]
+        with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "LEASE_SECONDS": 1.0}):
+            victim = WorkerProcess(slots=1, name="pvictim", **env).start()
+            wait_for(
+                lambda: (
+                    Job.objects.filter(id__in=ids, status=JobStatus.SUCCEEDED).count() == 2
+                    and Job.objects.filter(id__in=ids, status=JobStatus.RUNNING).exists()
+                ),
+                message="the third job, pulled, running",
+            )
+            self.assertEqual(deliveries_received(victim.hostname), 1, "the second and third were pulled")
+            victim.kill()
+            time.sleep(3)  # past the visibility timeout: the next worker restores the first job's message
+            with WorkerProcess(slots=1, name="prescuer", **env):
+                jobs = self.wait_all_finished(ids)
+                wait_for(lambda: not self.redis.hlen("fq:celery:unacked"), message="every delivery acknowledged")
+        self.assertEqual({j.status for j in jobs}, {JobStatus.SUCCEEDED})
+        self.assertEqual(sorted(LedgerEntry.objects.values_list("writes", flat=True)), [1] * CHAIN_JOBS)
+        self.assertEqual(sorted(j.worker_losses for j in jobs), [0] * (CHAIN_JOBS - 1) + [1])
+        self.assertEqual(max_overlap([(j.started_at, j.finished_at) for j in jobs]), 1)
+        self.assertEqual(broker_messages(), 0)
 
 
 class HandoffEndToEndTests(E2EBase):

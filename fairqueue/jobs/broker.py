@@ -19,7 +19,9 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
+from pathlib import Path
 from typing import Any
 
 from celery import signals
@@ -33,7 +35,9 @@ __all__ = [
     "JOBS_QUEUE",
     "deliveries_publish",
     "delivery_publish",
+    "delivery_pull",
     "delivery_route",
+    "delivery_unpull",
     "route_carry",
     "split_engine_id",
 ]
@@ -96,16 +100,24 @@ def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
     queue, priority = message_target(route_level(route), amqp=False)
     with app.producer_pool.acquire(block=True) as producer:
         channel = producer.channel
-        list_name = getattr(channel, "_q_for_pri", None)  # kombu's Redis channel: the list of (queue, priority)
-        if list_name is None or queue not in consumed:
+        order = _fetch_order(channel, consumed)
+        if order is None or queue not in consumed:
             return True
-        order = [list_name(q, p) for p in channel.priority_steps for q in consumed]
-        lists = order[: order.index(list_name(queue, priority)) + 1]
+        lists = order[: order.index(channel._q_for_pri(queue, priority)) + 1]
         with channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
             for name in lists:
                 pipe.llen(name)
             return any(pipe.execute())
+
+
+def _fetch_order(channel: Any, consumed: Sequence[str]) -> list[str] | None:
+    """The lists a worker reading `consumed` (in that order) fetches from, in the order of
+    kombu's one BRPOP over them; None on a channel that is not kombu's Redis one."""
+    list_name = getattr(channel, "_q_for_pri", None)  # kombu's Redis channel: the list of (queue, priority)
+    if list_name is None:
+        return None
+    return [list_name(q, p) for p in channel.priority_steps for q in consumed]
 
 
 def delivery_publish(engine_id: str, route: str) -> None:
@@ -379,3 +391,84 @@ def _declarations(queue: str, *, amqp: bool) -> list[Any]:
     was new), so there the queue is declared, with its priorities: kombu remembers it per
     connection, so that is one round trip per pooled connection."""
     return [app.amqp.queues[queue]] if amqp else []
+
+
+# --- a delivery taken from the broker by the slot that runs it (fairqueue.jobs.handoff) -------
+
+_PULL_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "broker_pull.lua").read_text()
+REDIS_EVAL = "EVAL"
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A delivery of a job taken off the broker by `delivery_pull`: the job's id and
+    generation, and the message itself with the list it came from (to put it back)."""
+
+    job_id: str
+    generation: int
+    list_name: str
+    message: bytes | str
+
+
+def delivery_pull(consumed: Sequence[str]) -> Pulled | None:
+    """Take, without waiting, the next message a worker reading `consumed` would fetch,
+    if it is a delivery of a job; one round trip (lua/broker_pull.lua).
+
+    The message goes nowhere else: not into kombu's unacknowledged set, so a worker that
+    dies holding it leaves the job to the engine, whose hold on it runs out and is
+    re-delivered, as for any delivery (the broker's own re-delivery is only a late safety
+    net: fairqueue.queues). Anything else (another task's message, one with an ETA or an
+    expiry, which Celery's consumer handles) goes back to the head of its list, where the
+    worker's next fetch takes it, and None is returned. Redis transport only; None on other
+    brokers."""
+    if _amqp():
+        return None
+    with app.producer_pool.acquire(block=True) as producer:
+        channel = producer.channel
+        order = _fetch_order(channel, consumed)
+        if not order:
+            return None
+        client = _publish_client(channel)
+        # kombu's client prefixes the keys of the commands it knows; EVAL is not one of them.
+        prefix = getattr(channel, "global_keyprefix", "") or ""
+        reply = client.execute_command(REDIS_EVAL, _PULL_SOURCE, len(order), *(prefix + name for name in order))
+        if not reply:
+            return None
+        index, message = reply
+        list_name = order[int(index) - 1]
+        target = run_job_target(message)
+        if target is None:
+            client.rpush(list_name, message)
+            return None
+        return Pulled(job_id=target[0], generation=target[1], list_name=list_name, message=message)
+
+
+def delivery_unpull(pulled: Pulled) -> None:
+    """Put a pulled delivery back at the head of its list (the slot could not run it)."""
+    with app.producer_pool.acquire(block=True) as producer:
+        _publish_client(producer.channel).rpush(pulled.list_name, pulled.message)
+
+
+def run_job_target(message: bytes | str) -> tuple[str, int] | None:
+    """(job id, generation) of a Redis transport message that delivers a job (Celery's
+    message protocol 2, JSON, the job task), or None for any other message."""
+    try:
+        envelope = json.loads(message)
+        headers = envelope.get("headers") or {}
+        if (
+            headers.get("task") != RUN_TASK_NAME
+            or envelope.get("content-type") != JSON_CONTENT_TYPE
+            or headers.get("compression")
+            or headers.get("eta")
+            or headers.get("expires")
+        ):
+            return None
+        body = envelope["body"]
+        if (envelope.get("properties") or {}).get("body_encoding") == REDIS_BODY_ENCODING:
+            body = base64.b64decode(body)
+        args, kwargs, _embed = json.loads(body)
+        job_id = args[0] if len(args) > 0 else kwargs["job_id"]
+        generation = args[1] if len(args) > 1 else kwargs["generation"]
+        return str(job_id), int(generation)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None

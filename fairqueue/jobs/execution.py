@@ -4,8 +4,9 @@ stale or duplicate message does nothing.
 
 When the release hands the freed slot to a job this worker may run
 (fairqueue.jobs.handoff), the same delivery runs that job next, in the same slot, with
-the same claim and lease, and so on: a chain of jobs under one broker message, which is
-acknowledged when the chain ends (at most MAX_INLINE_CHAIN jobs).
+the same claim and lease, and so on; when a release hands it nothing, the slot takes the
+broker's next delivery itself (pulled: fairqueue.jobs.handoff). A chain of jobs under one
+broker message, which is acknowledged when the chain ends (at most MAX_INLINE_CHAIN jobs).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from fairqueue.jobs import groupcommit, handback, live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
-from fairqueue.jobs.broker import split_engine_id
+from fairqueue.jobs.broker import delivery_unpull, split_engine_id
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
-from fairqueue.jobs.handoff import inline_pick
+from fairqueue.jobs.handoff import inline_pick, next_delivery
 from fairqueue.jobs.isolation import isolated_run
 from fairqueue.jobs.leases import active_leases
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, Job, JobStatus
@@ -42,37 +43,50 @@ from fairqueue.jobs.task_limits import effective_timeout, failure_reason
 
 log = logging.getLogger("fairqueue.jobs.execution")
 
-# A chain of inline handoffs runs under its first job's broker message, acknowledged when
-# the chain ends; past this many jobs the next is published instead, so a delivery is
-# acknowledged at least every so many jobs (what the broker and `celery inspect` show of
-# this worker stays current, and a redelivery after a visibility timeout stays rare; it
-# would be harmless: the generation guard skips a job already run).
+# A chain of inline handoffs and pulled deliveries runs under its first job's broker
+# message, acknowledged when the chain ends; past this many jobs the next is published (or
+# left to Celery's consumer) instead, so a delivery is acknowledged at least every so many
+# jobs (what the broker and `celery inspect` show of this worker stays current, and a
+# redelivery after a visibility timeout stays rare; it would be harmless: the generation
+# guard skips a job already run).
 MAX_INLINE_CHAIN = 100
 
 
 def job_execute(*, job_id: str, generation: int, worker: str) -> str:
-    """Run one delivery of a job, then each job its releases hand this slot (see the
-    module docstring); returns what happened to the delivered job (for logs and tests)."""
+    """Run one delivery of a job, then what the slot takes next without a broker message
+    of its own: each job its releases hand it, else the broker's next delivery, pulled
+    (see the module docstring); returns what happened to the delivered job (for logs and
+    tests)."""
     outcome, kept = _delivery_run(job_id=job_id, generation=generation, worker=worker, keep=inline_pick)
     chain = 1
-    while kept is not None:
+    while chain < MAX_INLINE_CHAIN:
+        keep = inline_pick if chain + 1 < MAX_INLINE_CHAIN else None
+        if kept is not None:
+            stats.count("handoff:inline")
+            kept_id, kept_generation = split_engine_id(kept.job_id)
+            try:
+                _, kept = _delivery_run(
+                    job_id=kept_id, generation=kept_generation, worker=worker, keep=keep, inline=True
+                )
+            except Exception:
+                # Whatever failed (the database, say), the job must not sit on its slot without
+                # a delivery: publish it. Had it been claimed already, that delivery is skipped.
+                if kept is not None:
+                    outcomes_handle(woken=[kept], reclaimed=[])
+                raise
+        else:
+            pulled = next_delivery()
+            if pulled is None:
+                break
+            stats.count("delivery:pulled")
+            try:
+                _, kept = _delivery_run(job_id=pulled.job_id, generation=pulled.generation, worker=worker, keep=keep)
+            except Exception:
+                # The same for a pulled delivery: back to the broker (a second delivery of a
+                # job claimed meanwhile is skipped by the generation guard).
+                delivery_unpull(pulled)
+                raise
         chain += 1
-        stats.count("handoff:inline")
-        kept_id, kept_generation = split_engine_id(kept.job_id)
-        try:
-            _, kept = _delivery_run(
-                job_id=kept_id,
-                generation=kept_generation,
-                worker=worker,
-                keep=inline_pick if chain < MAX_INLINE_CHAIN else None,
-                inline=True,
-            )
-        except Exception:
-            # Whatever failed (the database, say), the job must not sit on its slot without
-            # a delivery: publish it. Had it been claimed already, that delivery is skipped.
-            if kept is not None:
-                outcomes_handle(woken=[kept], reclaimed=[])
-            raise
     return outcome
 
 

@@ -1,4 +1,6 @@
-"""Slot handoff: the worker whose release freed a slot runs the job the engine handed it.
+"""What a worker slot runs next when its job ends, without a trip through Celery's consumer.
+
+Slot handoff: the worker whose release freed a slot runs the job the engine handed it.
 
 A release gives the freed slot to the next waiter in the same engine call. Publishing that
 job left the worker slot idle for a publish, a broker wait and another worker's fetch;
@@ -17,6 +19,16 @@ instead the releasing worker runs it at once in the same slot when it may:
 The job is still claimed through the generation guard and leased like any delivery
 (fairqueue.jobs.execution); only the broker message is skipped. Anything the pick declines
 or fails on is published as before (fairqueue.jobs.dispatch).
+
+Pull: when the release hands the slot nothing, the slot takes the next delivery from the
+broker itself (`next_delivery`), the one the worker's own fetch would have taken next.
+Celery's consumer is one thread per worker process that fetches, records and
+acknowledges every message with its own round trips, in turns with the task threads for
+Python's lock; for short jobs it, not the slots, set the worker's pace, and a slot sat
+idle between its jobs. A pulled delivery runs as a delivery (claimed through the
+generation guard, leased), under the message that started the slot's chain. It is taken
+only where a fetch would take it: same queues and order, not while shutting down, and not
+while the worker runs as many jobs as it offers (fairqueue.jobs.backpressure).
 """
 
 from __future__ import annotations
@@ -28,21 +40,35 @@ from collections.abc import Callable, Sequence
 from celery.worker import state as celery_state
 
 from fairqueue.engine import Woken
-from fairqueue.jobs.broker import BATCH_ROUTE, deliveries_ahead, delivery_queue, route_carry
+from fairqueue.jobs.broker import BATCH_ROUTE, Pulled, deliveries_ahead, delivery_pull, delivery_queue, route_carry
 
 log = logging.getLogger("fairqueue.jobs.handoff")
 
 _lock = threading.Lock()
 _consumed: Callable[[], Sequence[str]] | None = None
+
+
+def _always() -> bool:
+    return True
+
+
+_may_start: Callable[[], bool] = _always
+_pull = False
 _stopping = threading.Event()
 
 
-def handoff_enable(consumed: Callable[[], Sequence[str]]) -> None:
-    """Let this process run woken jobs inline; `consumed` names the queues its worker
-    reads right now, in its fetch order (a remote `cancel_consumer` changes them)."""
-    global _consumed
+def handoff_enable(
+    consumed: Callable[[], Sequence[str]], may_start: Callable[[], bool] | None = None, *, pull: bool = True
+) -> None:
+    """Let this process run woken jobs inline and, with `pull`, pull deliveries; `consumed`
+    names the queues its worker reads right now, in its fetch order (a remote
+    `cancel_consumer` changes them); `may_start` says whether the worker takes one more job
+    now (it runs fewer than it offers)."""
+    global _consumed, _may_start, _pull
     with _lock:
         _consumed = consumed
+        _may_start = may_start or _always
+        _pull = pull
         _stopping.clear()
 
 
@@ -86,3 +112,19 @@ def inline_pick(woken: Sequence[Woken]) -> Woken | None:
     if deliveries_ahead(first.data, queues):
         return None
     return first
+
+
+def next_delivery() -> Pulled | None:
+    """The delivery a slot whose job ended (and whose release handed it nothing) runs next,
+    taken off the broker by this thread; None to leave the slot to Celery's consumer."""
+    consumed = _consumed
+    if consumed is None or not _pull or _stopping.is_set() or _celery_stopping() or not _may_start():
+        return None
+    queues = list(consumed())
+    if not queues:
+        return None
+    try:
+        return delivery_pull(queues)
+    except Exception:  # the broker unreachable, say: the slot waits for the consumer's fetch
+        log.warning("could not pull a delivery from the broker", exc_info=True)
+        return None

@@ -4,7 +4,8 @@ On `worker_ready` it starts three daemon threads: the fleet heartbeat, which pub
 slots this worker offers; the backpressure sampler (fairqueue.jobs.backpressure), which
 shrinks them under resource pressure; and the ticker that runs the periodic duties while
 this worker holds the fleet's duty lease (fairqueue.jobs.leadership). It lets released
-slots go straight to the jobs they wake (fairqueue.jobs.handoff). On SIGTERM it stops
+slots go straight to the jobs they wake, or to the broker's next delivery
+(fairqueue.jobs.handoff). On SIGTERM it stops
 those handoffs and drains; on shutdown it deregisters and hands the lease on. A worker
 killed with SIGKILL simply stops heartbeating and drops out of the fleet count.
 """
@@ -94,15 +95,22 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
             hostname,
         )
     _stop.clear()
-    _backpressure = Backpressure(consumer=sender, capacity=slots, running=lambda: active_leases.count()[0])
-    _backpressure.start()
+    backpressure = _backpressure = Backpressure(
+        consumer=sender, capacity=slots, running=lambda: active_leases.count()[0]
+    )
+    backpressure.start()
     threading.Thread(
-        target=_heartbeat, args=(hostname, slots, _backpressure), name="fairqueue-heartbeat", daemon=True
+        target=_heartbeat, args=(hostname, slots, backpressure), name="fairqueue-heartbeat", daemon=True
     ).start()
     interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
     threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
-    handoff_enable(lambda: _consumed_queues(sender))
+    # A slot pulls its next delivery only while the worker runs fewer jobs than it offers.
+    handoff_enable(
+        lambda: _consumed_queues(sender),
+        may_start=lambda: active_leases.count()[0] < backpressure.offered,
+        pull=bool(settings.FAIRQUEUE["PULL_DELIVERIES"]),
+    )
     log.info("worker %s registered with %s slots", hostname, slots)
 
 
