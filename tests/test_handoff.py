@@ -221,6 +221,15 @@ class PullTests(RedisTestCase):
         again = next_delivery()
         self.assertEqual(again.job_id if again else None, job_engine_id(1)[:-2])
 
+    def test_a_pull_after_the_broker_dropped_every_connection_still_takes_the_next_delivery(self) -> None:
+        handoff_enable(lambda: BOTH_QUEUES)
+        delivery_publish(job_engine_id(1), "3")
+        self.assertIsNotNone(next_delivery())
+        self.redis.client_kill_filter(_type="normal", skipme=True)  # the pull's kept connections too
+        delivery_publish(job_engine_id(2), "3")
+        pulled = next_delivery()
+        self.assertEqual(pulled.job_id if pulled else None, job_engine_id(2)[:-2])
+
     def test_the_job_is_read_from_every_way_celery_may_write_the_message(self) -> None:
         job_id = job_engine_id(7)[:-2]
         handoff_enable(lambda: BOTH_QUEUES)

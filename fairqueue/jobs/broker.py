@@ -24,6 +24,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any
 
+import redis
 from celery import signals
 
 from fairqueue import tracing
@@ -396,7 +397,6 @@ def _declarations(queue: str, *, amqp: bool) -> list[Any]:
 # --- a delivery taken from the broker by the slot that runs it (fairqueue.jobs.handoff) -------
 
 _PULL_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "broker_pull.lua").read_text()
-REDIS_EVAL = "EVAL"
 
 
 @dataclass(frozen=True)
@@ -423,30 +423,80 @@ def delivery_pull(consumed: Sequence[str]) -> Pulled | None:
     brokers."""
     if _amqp():
         return None
-    with app.producer_pool.acquire(block=True) as producer:
-        channel = producer.channel
-        order = _fetch_order(channel, consumed)
-        if not order:
-            return None
-        client = _publish_client(channel)
-        # kombu's client prefixes the keys of the commands it knows; EVAL is not one of them.
-        prefix = getattr(channel, "global_keyprefix", "") or ""
-        reply = client.execute_command(REDIS_EVAL, _PULL_SOURCE, len(order), *(prefix + name for name in order))
+    puller = _puller()
+    if puller is None:
+        return None
+    keys = puller.keys(consumed)
+    if not keys:
+        return None
+    try:
+        reply = puller.script(keys=keys)
         if not reply:
             return None
         index, message = reply
-        list_name = order[int(index) - 1]
+        key = keys[int(index) - 1]
         target = run_job_target(message)
         if target is None:
-            client.rpush(list_name, message)
+            puller.client.rpush(key, message)
             return None
-        return Pulled(job_id=target[0], generation=target[1], list_name=list_name, message=message)
+    except Exception:
+        _puller_drop(puller)  # a broken connection or pool: the next pull starts afresh
+        raise
+    return Pulled(job_id=target[0], generation=target[1], list_name=key, message=message)
 
 
 def delivery_unpull(pulled: Pulled) -> None:
     """Put a pulled delivery back at the head of its list (the slot could not run it)."""
-    with app.producer_pool.acquire(block=True) as producer:
-        _publish_client(producer.channel).rpush(pulled.list_name, pulled.message)
+    puller = _puller()
+    if puller is None:  # pulled from Redis, so this does not happen; nothing to put back to
+        return
+    puller.client.rpush(pulled.list_name, pulled.message)
+
+
+class _Puller:
+    """What a pull needs, made once per process: a plain redis-py client over the broker
+    channel's connection pool (kombu's own client wraps every command to prefix its keys,
+    and taking a producer from the pool for each pull cost more than the pull), the script,
+    and the prefixed list names for each set of consumed queues."""
+
+    def __init__(self, channel: Any) -> None:
+        pool = channel.pool  # kombu's Redis channel: its connection pool, as its own clients take it
+        provider = pool.connection_kwargs.get("credential_provider")
+        self.client = redis.Redis(connection_pool=pool, **({"credential_provider": provider} if provider else {}))
+        self.script = self.client.register_script(_PULL_SOURCE)
+        self._prefix = getattr(channel, "global_keyprefix", "") or ""
+        self._channel = channel
+        self._keys: dict[tuple[str, ...], list[str]] = {}
+
+    def keys(self, consumed: Sequence[str]) -> list[str]:
+        """The lists, with kombu's key prefix, in the fetch order of a worker reading `consumed`."""
+        wanted = tuple(consumed)
+        keys = self._keys.get(wanted)
+        if keys is None:
+            keys = self._keys[wanted] = [self._prefix + name for name in _fetch_order(self._channel, wanted) or []]
+        return keys
+
+
+_puller_made: _Puller | None = None
+_puller_lock = threading.Lock()
+
+
+def _puller() -> _Puller | None:
+    global _puller_made
+    puller = _puller_made
+    if puller is None:
+        with _puller_lock, app.producer_pool.acquire(block=True) as producer:
+            if _puller_made is None and _fetch_order(producer.channel, []) is not None:
+                _puller_made = _Puller(producer.channel)
+            puller = _puller_made
+    return puller
+
+
+def _puller_drop(puller: _Puller) -> None:
+    global _puller_made
+    with _puller_lock:
+        if _puller_made is puller:
+            _puller_made = None
 
 
 def run_job_target(message: bytes | str) -> tuple[str, int] | None:
