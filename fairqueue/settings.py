@@ -232,8 +232,9 @@ FAIRQUEUE = {
     "POISON_PILL_LIMIT": env.int("FAIRQUEUE_POISON_PILL_LIMIT", default=3),
     # Group commit (fairqueue/jobs/groupcommit.py): a worker process sends the claims (and,
     # apart, the outcomes) its threads make at once as one statement; a batch waits at most
-    # this long for a thread on its way to it. 0 sends each job's own statement.
-    "GROUP_COMMIT_MS": env.float("FAIRQUEUE_GROUP_COMMIT_MS", default=2.0),
+    # this long for a thread on its way to it (a lone thread waits for nothing). 0 sends
+    # each job's own statement. docs/throughput.md says why 6.
+    "GROUP_COMMIT_MS": env.float("FAIRQUEUE_GROUP_COMMIT_MS", default=6.0),
     # A worker slot whose job ended takes the broker's next delivery itself instead of
     # waiting for Celery's consumer to fetch it (fairqueue/jobs/handoff.py; Redis broker).
     "PULL_DELIVERIES": env.bool("FAIRQUEUE_PULL_DELIVERIES", default=True),
