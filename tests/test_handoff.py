@@ -32,7 +32,7 @@ from fairqueue.jobs.broker import (
 )
 from fairqueue.jobs.handoff import handoff_disable, handoff_enable, handoff_stop, inline_pick, next_delivery
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
-from fairqueue.jobs.recovery import jobs_admit_pending
+from fairqueue.jobs.recovery import jobs_admit_pending, state_ensure
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.stats import stats_read
 from fairqueue.jobs.submission import JobRequest, job_submit
@@ -329,6 +329,9 @@ class HandoffEndToEndTests(E2EBase):
 
     def test_a_worker_in_warm_shutdown_publishes_the_job_its_last_release_wakes(self) -> None:
         _, key = make_tenant("leaving", max_concurrency=1)
+        # The engine's state ready before any submit: a worker's first tick that found it not
+        # ready would rebuild it under the jobs and publish the first a second time.
+        state_ensure()
         worker = WorkerProcess(slots=1, name="leaving", FAIRQUEUE_SHUTDOWN_GRACE_SECONDS="10").start()
         try:
             first = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 1.5}})["id"]
