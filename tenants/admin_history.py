@@ -293,9 +293,9 @@ class PolicyHistoryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     def _revert_form(self, request: HttpRequest, plan: RevertPlan, *, confirmed: bool, reason: str) -> forms.ModelForm:
         entry = plan.entry
-        if plan.obj is None:  # a deletion: the object again, as it was before it
+        if plan.obj is None:  # a deletion: the object again, as it was before it (its pk: on save)
             form_class = self.get_form(request, None, change=False)
-            instance = self.model(pk=entry.object_pk)
+            instance = self.model()
             data = model_to_dict(entry.record, fields=list(form_class.base_fields))
         else:
             form_class = self.get_form(request, plan.obj, change=True)
@@ -330,6 +330,8 @@ class PolicyHistoryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
             return self._revert_page(request, plan, form, needs_confirmation=bool(needs_confirmation), given=given)
         restored = plan.obj is None
         obj = self.save_form(request, form, change=not restored)
+        if restored:
+            obj.pk = entry.object_pk  # the same object again: its history goes on
         self.save_model(request, obj, form, change=not restored)
         form.save_m2m()
         if restored:
