@@ -510,11 +510,18 @@ class _Reader:
     def validate(self) -> None:
         deleted = {id(row) for _, row in self.plan.deletions}
         listed = {id(o.obj) for o in self.plan.objects}
-        changed_shards = {id(o.obj) for o in self.plan.objects if isinstance(o.obj, Shard) and o.changed}
+        changed_shards = {id(o.obj): o for o in self.plan.objects if isinstance(o.obj, Shard) and o.changed}
         # A tenant the file leaves alone is checked again when its shard changes (a floor
-        # above the shard's new capacity).
+        # above the shard's new capacity), at the line of that change.
         unlisted = [
-            _Object(path=("tenants", t.slug), obj=t, line=None, lines={}, before=None, fields=())
+            _Object(
+                path=("tenants", t.slug),
+                obj=t,
+                line=changed_shards[id(t.shard)].lines.get("capacity", changed_shards[id(t.shard)].line),
+                lines={},
+                before=None,
+                fields=(),
+            )
             for t in self.tenants.values()
             if id(t) not in listed and id(t) not in deleted and id(t.shard) in changed_shards
         ]
@@ -619,7 +626,7 @@ def policy_apply(
     if plan.moved and not confirm_moves:
         moves = tenants_move_preview(tenants=Tenant.objects.filter(pk__in=[t.pk for t in plan.moved]))
         if moves:
-            raise PolicyFileError([f"{plan.source}: {m}" for m in moves] + ["Confirm these moves to apply the file."])
+            raise PolicyFileError([f"{plan.source}: moving: {m}" for m in moves])
 
     def stamp(row: models.Model) -> models.Model:
         """Who and why, for the row's history (django-simple-history reads these)."""

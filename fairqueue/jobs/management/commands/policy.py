@@ -127,7 +127,8 @@ class Command(BaseCommand):
         try:
             written = policy_apply(plan, reason=reason, user=user, confirm_moves=options["confirm_moves"])
         except PolicyFileError as exc:
-            raise CommandError("\n".join(exc.problems) + " (--confirm-moves); nothing was written.") from None
+            moves = "\n".join(exc.problems)
+            raise CommandError(f"{moves}\nConfirm the moves with --confirm-moves; nothing was written.") from None
         self.stdout.write(
             f"Applied: {written} row(s) written in one transaction, recorded in the policy history "
             "(source: policy file); running processes pick the change up within a second."
