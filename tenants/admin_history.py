@@ -56,7 +56,7 @@ class ChangeReasonForm(forms.ModelForm):
     )
 
 
-REASON_FIELDSET = ("Reason", {"fields": [REASON_FIELD]})
+REASON_FIELDSET: tuple[str, Any] = ("Reason", {"fields": [REASON_FIELD]})
 
 
 def _can(request: HttpRequest, action: str, model: type[models.Model]) -> bool:
@@ -351,7 +351,7 @@ class PolicyHistoryAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         errors = [str(e) for e in form.non_field_errors().as_data() if e.code != "confirm_move"]
         for name, errs in form.errors.items():
             if name != "__all__":
-                errors.append(f"{form.fields[name].label or name}: {' '.join(errs)}")
+                errors.append(f"{form.fields[name].label or name}: {' '.join(map(str, errs))}")
         moves = [" ".join(e.messages) for e in form.non_field_errors().as_data() if e.code == "confirm_move"]
         context = {
             **self.admin_site.each_context(request),

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import models
+from django.db.models import QuerySet
 
 from tenants.history import Source
 from tenants.models import LatencyClass, PoolSettings, Resource, Shard, SubTenant, Tenant
@@ -211,7 +212,7 @@ class ChangeFilter:
     user_id: int | None = None
     source: str | None = None
 
-    def querysets(self) -> list[tuple[str, models.QuerySet[Any]]]:
+    def querysets(self) -> list[tuple[str, QuerySet[Any]]]:
         out = []
         for name in self.models:
             qs = POLICY_MODELS[name].history.all()  # type: ignore[attr-defined]

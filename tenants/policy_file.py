@@ -338,7 +338,7 @@ class _Reader:
         )
 
     # A section is a mapping of names to mappings of fields.
-    def section(self, key: str) -> Iterator[tuple[str, Mapping | None, int | None]]:
+    def section(self, key: str) -> Iterator[tuple[str, dict[Any, Any] | None, int | None]]:
         body = self.doc.get(key)
         if key not in self.doc:
             return
@@ -393,9 +393,8 @@ class _Reader:
             setattr(obj, f.name, None)
         elif not isinstance(value, str) or value not in rows:
             known = ", ".join(sorted(rows)) or "none"
-            self.problems.add(
-                [*path, f.name], line, f"no {f.related_model._meta.verbose_name} {value!r} (known: {known})"
-            )  # type: ignore[union-attr]
+            noun = "shard" if f.related_model is Shard else "latency class"
+            self.problems.add([*path, f.name], line, f"no {noun} {value!r} (known: {known})")
         else:
             setattr(obj, f.name, rows[value])
 
@@ -483,7 +482,9 @@ class _Reader:
             sub = saved.get(external_id) or SubTenant(tenant=tenant, external_id=external_id)
             saved[external_id] = sub
             cap_entry = Mapping()
-            cap_entry["max_concurrency"], cap_entry.lines["max_concurrency"] = cap, line
+            cap_entry["max_concurrency"] = cap
+            if line is not None:
+                cap_entry.lines["max_concurrency"] = line
             self.add((*path, external_id), sub, line, cap_entry, ("max_concurrency",))
         for external_id in sorted(set(saved) - listed):
             self.gone(f"tenants.{slug}.sub_tenants.{external_id}", saved[external_id])
@@ -643,8 +644,8 @@ def policy_apply(
             for o in changed
             if isinstance(o.obj, LatencyClass) and not o.new and "rank" in [c[0] for c in o.changes()]
         ]
-        for i, row in enumerate(reranked):
-            LatencyClass.objects.filter(pk=row.pk).update(rank=TEMPORARY_RANK_BASE + i)
+        for i, reranked_row in enumerate(reranked):
+            LatencyClass.objects.filter(pk=reranked_row.pk).update(rank=TEMPORARY_RANK_BASE + i)
         for o in changed:
             stamp(o.obj).save()
         for _, row in plan.deletions:

@@ -5,6 +5,7 @@ What it leaves out: the shard caps, which depend on the tick's own recent histor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fairqueue.jobs import live
@@ -30,9 +31,10 @@ def limits_compare(current: PolicySnapshot, proposed: PolicySnapshot) -> tuple[l
     slugs = sorted(set(current.tenants) | set(proposed.tenants))
     signals = live.signals_read_many(slugs, fleet=fleet)
     # What each tenant holds now, at the shard it is on now.
-    keys_of: dict[str, list[str]] = {}
+    grouped: dict[str, list[str]] = {}
     for tp in current.tenants.values():
-        keys_of.setdefault(shard_tag(tp.shard), []).append(tenant_key(tp.slug))
+        grouped.setdefault(shard_tag(tp.shard), []).append(tenant_key(tp.slug))
+    keys_of: dict[str, Sequence[str]] = dict(grouped)
     counts = engine().counts_many(keys_of)
     held = {tp.slug: counts.get(shard_tag(tp.shard), {}).get(tenant_key(tp.slug), 0) for tp in current.tenants.values()}
     limits = []
