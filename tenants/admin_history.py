@@ -70,7 +70,9 @@ def revert_url(entry: ChangeEntry) -> str:
 def revertible(request: HttpRequest, entry: ChangeEntry) -> bool:
     """Whether this user may revert this change now (and it can be)."""
     if entry.kind == "changed":
-        return entry.exists and _can(request, "change", entry.model)
+        # A key rotation alone changed nothing an operator sets: no button for it.
+        settable = any(entry.model._meta.get_field(c.name).editable for c in entry.changes)
+        return settable and entry.exists and _can(request, "change", entry.model)
     if entry.kind == "deleted":
         return not entry.exists and _can(request, "add", entry.model)
     return False

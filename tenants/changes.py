@@ -184,7 +184,7 @@ def entries_build(records: Sequence[tuple[str, Any]], *, names: Names | None = N
     entries = []
     for model_name, record in records:
         model = POLICY_MODELS[model_name]
-        prev = record.prev_record if record.history_type != "+" else None
+        prev = record.prev_record if record.history_type == "~" else None
         user = record.history_user
         entries.append(
             ChangeEntry(

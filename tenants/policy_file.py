@@ -24,6 +24,7 @@ line and the key's path, and a file with any problem writes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -160,18 +161,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> Mapping:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)  # type: ignore[arg-type]
 
 
-def policy_load(text: str, *, fmt: str, name: str) -> Any:
-    """The document in `text` (YAML, or JSON), with the line of each key; PolicyFileError
-    naming the line when it cannot be read."""
-    if fmt == "json":
-        try:
-            json.loads(text)
-        except ValueError as exc:
-            lineno = getattr(exc, "lineno", None)
-            where = f", line {lineno}" if lineno else ""
-            raise PolicyFileError([f"{name}{where}: not valid JSON: {getattr(exc, 'msg', exc)}"]) from None
+def _yaml_load(text: str, *, name: str) -> Any:
     try:
-        # JSON is YAML too: read either way to know each key's line.
         return yaml.load(text, Loader=_Loader)  # a SafeLoader: plain data only
     except _DuplicateKey as exc:
         raise PolicyFileError([f"{name}, {exc}"]) from None
@@ -181,6 +172,43 @@ def policy_load(text: str, *, fmt: str, name: str) -> Any:
         raise PolicyFileError([f"{name}{where}: not valid YAML: {exc.problem or exc.context}"]) from None
     except yaml.YAMLError as exc:
         raise PolicyFileError([f"{name}: not valid YAML: {exc}"]) from None
+
+
+def _json_mapping(pairs: list[tuple[str, Any]]) -> Mapping:
+    out = Mapping()
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _lines_copy(into: Any, source: Any) -> None:
+    """The lines of `source`'s keys onto the same keys of `into` (the same document read twice)."""
+    if not isinstance(into, Mapping) or not isinstance(source, Mapping):
+        return
+    for key, value in into.items():
+        if key in source.lines:
+            into.lines[key] = source.lines[key]
+            _lines_copy(value, source[key])
+
+
+def policy_load(text: str, *, fmt: str, name: str) -> Any:
+    """The document in `text` (YAML, or JSON), with the line of each key; PolicyFileError
+    naming the line when it cannot be read."""
+    if fmt != "json":
+        return _yaml_load(text, name=name)
+    try:
+        document = json.loads(text, object_pairs_hook=_json_mapping)
+    except ValueError as exc:
+        lineno = getattr(exc, "lineno", None)
+        where = f", line {lineno}" if lineno else ""
+        raise PolicyFileError([f"{name}{where}: not valid JSON: {getattr(exc, 'msg', exc)}"]) from None
+    # The values are JSON's; the lines come from reading it as YAML too, when that reads it
+    # (JSON indented with tabs is no YAML: then the problems name keys alone).
+    with contextlib.suppress(PolicyFileError):
+        _lines_copy(document, _yaml_load(text, name=name))
+    return document
 
 
 # --- Checking a document against the database -------------------------------------------------

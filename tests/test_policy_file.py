@@ -270,6 +270,17 @@ class BadFileTests(PolicyFileMixin, RedisTestCase):
         self.assertIn("bad.json, line 3: tenants.acme.floor: Ensure this value is greater than or equal to 0.", message)
         message = self.refused('{\n  "tenants": {,\n}\n', "bad.json")
         self.assertIn("bad.json, line 2: not valid JSON", message)
+        # JSON that is no YAML (indented with tabs): the values are JSON's, problems name the key.
+        message = self.refused('{\n\t"pool": {"f_min": 1e-3},\n\t"tenants": {"acme": {"floor": 2}}\n}\n', "bad.json")
+        self.assertIn("bad.json: pool.f_min: Ensure this value is greater than or equal to 0.01.", message)
+        message = self.refused('{"tenants": {"acme": {"floor": 3, "floor": 4}}}', "bad.json")
+        self.assertIn("bad.json: not valid JSON: 'floor' appears twice in one object", message)
+
+    def test_json_numbers_are_read_as_json_reads_them(self) -> None:
+        path = self.tmp / "ok.json"
+        path.write_text('{\n  "pool": {"f_min": 2e-2},\n  "tenants": {"acme": {"floor": 3}}\n}\n')
+        self.policy("apply", str(path))
+        self.assertEqual((PoolSettings.load().f_min, Tenant.objects.get(slug="acme").floor), (0.02, 3))
 
     def test_a_missing_file_or_user(self) -> None:
         with self.assertRaisesRegex(CommandError, "Cannot read .*nothing.yaml"):

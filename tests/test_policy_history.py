@@ -185,6 +185,10 @@ class SecretTests(HistoryTestCase):
         self.assertIn(f"api key prefix: none → {tenant.api_key_prefix}", entries[0].summary())
         page = self.client.get(reverse("admin:tenants_policychange_changelist")).content.decode()
         self.assertNotIn(tenant.api_key_hash, page)
+        rotation = reverse("admin:tenants_tenant_revert", args=[tenant.pk, entries[0].history_id])
+        self.assertNotIn(rotation, page, "a rotation has no Revert button: nothing an operator sets changed")
+        creation = reverse("admin:tenants_tenant_revert", args=[tenant.pk, entries[1].history_id])
+        self.assertNotIn(creation, page)
 
 
 class TimelineTests(HistoryTestCase):
