@@ -10,7 +10,9 @@ import redis
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import connection
+from django.test import RequestFactory
 from django.urls import reverse
+from simple_history.models import HistoricalRecords
 
 from dashboard.snapshot import snapshot_build
 from tenants import keys
@@ -134,6 +136,17 @@ class RecordedChangeTests(HistoryTestCase):
         tenant.floor = 6
         tenant.save()
         self.assertEqual(self.latest(tenant).history_source, "command")
+        # Saved while serving an HTTP request outside the admin (what the history middleware
+        # records): a REST call, by the request's user.
+        request = RequestFactory().post("/hooks/policy")
+        request.user = self.boss
+        HistoricalRecords.context.request = request
+        try:
+            tenant.floor = 7
+            tenant.save()
+        finally:
+            del HistoricalRecords.context.request
+        self.assertEqual((self.latest(tenant).history_source, self.latest(tenant).history_user), ("rest", self.boss))
 
     def test_history_started_with_the_policy_the_migrations_left(self) -> None:
         for name in ("critical", "high", "default", "low"):

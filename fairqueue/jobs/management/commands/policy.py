@@ -175,5 +175,8 @@ class Command(BaseCommand):
             except WhatIfError as exc:
                 self.stdout.write(f"What-if on shard {shard}: {exc}")
                 continue
+            except redis.RedisError as exc:  # the fleet's live slots are read there
+                self.stdout.write(f"What-if on shard {shard}: unknown (Redis: {exc}).")
+                continue
             for line in comparison_lines(comparison):
                 self.stdout.write(line)
