@@ -61,6 +61,7 @@ from fairqueue.engine.keys import key_name
 from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_read
+from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
@@ -289,4 +290,6 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         ),
         # Outside resources: configured limit, effective limit now (AIMD, 0 while paused).
         "resources": resources_explain(policy),
+        # Which of the services FairQueue needs answer now (a restart or failover in progress).
+        "dependencies": dependencies_up(),
     }
