@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from fairqueue.bench.outages import staff_session
 from fairqueue.bench.postgres import PostgresServer
 from fairqueue.bench.stack import WebServer, Workers, migrate, stack_env
 from tests.redis_server import RedisServer
@@ -112,6 +113,10 @@ class OutageStack:
             raise RuntimeError(f"manage.py shell failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
 
+    def staff_session(self) -> str:
+        """A logged-in staff user's session key (the admin and the dashboard need one)."""
+        return staff_session(self.env)
+
     def stop(self) -> None:
         for stop in (
             self.workers.stop if self.workers else None,
@@ -127,9 +132,13 @@ class OutageStack:
 
     # --- HTTP ---------------------------------------------------------------------------------
 
-    def request(self, method: str, path: str, body: Any = None, *, tenant: str | None = None) -> Answer:
+    def request(
+        self, method: str, path: str, body: Any = None, *, tenant: str | None = None, session: str | None = None
+    ) -> Answer:
         assert self.web is not None
         headers = {"Content-Type": "application/json"}
+        if session is not None:
+            headers["Cookie"] = f"sessionid={session}"
         if tenant is not None:
             headers["Authorization"] = f"Bearer {self.keys[tenant]}"
         data = json.dumps(body).encode() if body is not None else None

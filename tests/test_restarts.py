@@ -89,6 +89,8 @@ class DatabaseRestartTests(RestartTestMixin, SimpleTestCase):
         delayed = self.assert_accepted(stack.submit("steady", {**SHORT, "delay_seconds": 4}))
         wait_for(lambda: self.running_count(accepted) == 4, timeout=60, message="four jobs running")
         pids = self.worker_pids()
+        session = stack.staff_session()
+        self.assertEqual(stack.request("GET", "/admin/", session=session).status, 200)
 
         stack.pg.stop()
         outage_started = time.monotonic()
@@ -109,6 +111,12 @@ class DatabaseRestartTests(RestartTestMixin, SimpleTestCase):
                 accepted.append(str(answer.body["id"]))
         # A submit and a job's status both need the database.
         self.assertEqual([a.status for a in during[:4]], [503] * 4)
+        # The pages an operator opens: a 503 page (the session is in the database), not a 500.
+        for page in ("/admin/", "/dashboard/"):
+            answer = stack.request("GET", page, session=session)
+            self.assertEqual(answer.status, 503, (page, answer.body[:300]))
+            self.assertIn("Retry-After", answer.headers)
+            self.assertLess(answer.seconds, ANSWER_WITHIN_SECONDS)
         self.assertEqual(metrics.status, 200)
         self.assertIn('fairqueue_dependency_up{dependency="database"} 0.0', metrics.body)
         self.assertIn('fairqueue_dependency_up{dependency="engine"} 1.0', metrics.body)
@@ -221,20 +229,6 @@ class ChannelLayerRestartTests(RestartTestMixin, SimpleTestCase):
         self.stack = OutageStack(own_channels=True).start([("acme", 2, 4)])
         self.addCleanup(self.stack.stop)
 
-    def _session_cookie(self) -> str:
-        out = self.stack.manage_shell(
-            "from django.contrib.auth.models import User\n"
-            "from django.contrib.sessions.backends.db import SessionStore\n"
-            "u = User.objects.create_user('ops', password='x', is_staff=True)\n"
-            "s = SessionStore()\n"
-            "s['_auth_user_id'] = str(u.pk)\n"
-            "s['_auth_user_backend'] = 'django.contrib.auth.backends.ModelBackend'\n"
-            "s['_auth_user_hash'] = u.get_session_auth_hash()\n"
-            "s.create()\n"
-            "print(s.session_key)\n"
-        )
-        return out.strip().splitlines()[-1]
-
     def _updates(self, cookie: str, *, count: int, timeout: float) -> int:
         """Connect as the page does and count the frames received, up to `count`; a
         closed socket is reconnected, as the page's script does."""
@@ -257,7 +251,7 @@ class ChannelLayerRestartTests(RestartTestMixin, SimpleTestCase):
         return got
 
     def test_the_dashboard_resumes_after_the_channel_layer_restarts(self) -> None:
-        cookie = self._session_cookie()
+        cookie = self.stack.staff_session()
         self.assertGreaterEqual(self._updates(cookie, count=3, timeout=30), 3, "live updates before the restart")
         channels = self.stack.channels_redis
         assert channels is not None
