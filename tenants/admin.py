@@ -434,12 +434,14 @@ class PoolSettingsAdmin(PoolWhatIfMixin):
         "rate_window_seconds",
         "default_job_seconds",
         "batch_objective_seconds",
+        "floor_headroom",
         "updated_at",
     ]
     readonly_fields = ["updated_at"]
     fieldsets = [
         ("Pool pressure", {"fields": ["target_utilisation", "f_min", "f_max"]}),
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
+        ("Floors", {"fields": ["floor_headroom"]}),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
         (None, {"fields": ["updated_at"]}),
     ]

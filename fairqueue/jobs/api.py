@@ -414,6 +414,15 @@ class PoolOut(Schema):
     target: float
     in_flight: int
     batch_in_flight: int
+    room: int | None = Field(
+        None,
+        description="The most jobs the tenant's shard may hold at once: the pool's live slots less what the "
+        "other shards hold, so the broker never holds an admitted backlog (null: no worker registered).",
+    )
+    floor_headroom: int = Field(0, description="Slots kept for tenants below their floor (a pool setting).")
+    flood_utilisation: float = Field(
+        1.0, description="The headroom's cost: the share of the pool a tenant above its floor can fill."
+    )
 
 
 class ResourceLimitOut(Schema):

@@ -343,6 +343,7 @@ def _jobs_admit(
         alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()))
         plan = shared.get(alike)
         if plan is None:
+            fleet = live.fleet_state()
             plan = shared[alike] = admission_plan(
                 policy=policy,
                 tenant=tp,
@@ -354,6 +355,9 @@ def _jobs_admit(
                 batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if batch else 0,
                 placement=placement,
                 resource_limits=resources,
+                # Jobs already running (re-entered after a loss of Redis) hold their slots
+                # whatever the pool's size now.
+                pool_room=None if running else fleet.pool_room(tp.shard),
             )
         items.append(
             AdmitRequest(

@@ -384,7 +384,9 @@ def limits_refresh() -> int:
         published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
         wanted = {}
         for name in policy.shards:
-            limits = {SHARD_KEY: capacities[name], BATCH_KEY: fleet.batch_limit(name)}
+            room = fleet.pool_room(name)  # the pool's live slots, over every shard's key
+            shard_limit = capacities[name] if room is None else min(capacities[name], room)
+            limits = {SHARD_KEY: shard_limit, BATCH_KEY: fleet.batch_limit(name)}
             limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
             wanted[shard_tag(name)] = limits
         _planned = _Planned(
