@@ -31,9 +31,12 @@ from prometheus_client.utils import floatToGoString
 from dashboard.gc_pause import gc_paused
 from dashboard.snapshot import snapshot_build
 from fairqueue.jobs import stats
+from fairqueue.jobs.dependencies import DEPENDENCIES, dependencies_up
+from fairqueue.jobs.failure_log import FailureLog
 from fairqueue.jobs.task_limits import ATTEMPT_FAILURE_REASONS
 
 log = logging.getLogger("fairqueue.dashboard")
+collection_failures = FailureLog(log, "metrics")
 
 CACHE_SECONDS = 1.5
 GO_VALUES_KEPT = 10_000  # distinct sample values whose text is kept
@@ -294,6 +297,17 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
     ]
 
 
+def dependency_family(up: dict[str, bool]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "fairqueue_dependency_up",
+        "1 if the dependency (database, engine Redis, broker, channel layer) answers this process now, else 0.",
+        labels=["dependency"],
+    )
+    for name in DEPENDENCIES:
+        family.add_metric([name], 1.0 if up.get(name) else 0.0)
+    return family
+
+
 class FairQueueCollector:
     """Registered once on the default registry (see DashboardConfig.ready)."""
 
@@ -313,10 +327,13 @@ class FairQueueCollector:
                 try:
                     with gc_paused():
                         self._cached = metrics_build(snapshot_build(with_history=False), stats.stats_read())
-                except Exception:
+                except Exception as exc:
                     # A scrape must not fail because Redis blinked; report what is known.
-                    log.exception("fairqueue metrics collection failed")
+                    collection_failures.failed("collection", exc)
                     self._cached = []
+                else:
+                    collection_failures.succeeded("collection")
+                self._cached.append(dependency_family(dependencies_up()))
                 self._at = time.monotonic()
             yield from self._cached
 

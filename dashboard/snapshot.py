@@ -28,7 +28,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "pool": {"slots", "busy", "busy_batch", "workers", "in_flight", "batch_in_flight",
                "utilisation",   # non-batch busy slots / slots (the autoscaling signal)
                "batch_share",   # batch busy slots / slots
-               "target"},       # slots x target utilisation
+               "target",        # slots x target utilisation
+               "floor_headroom", "flood_utilisation"},  # slots kept for floors, and their cost
       "shards": ["default", ...], "classes": ["critical", "high", "default", "low", "batch"],
       "tenants": [{"slug", "name", "active", "shard", "floor", "limit", "in_flight",
                    "parked_by_class": {class: n}, "parked", "waiting",
@@ -63,8 +64,9 @@ from dashboard.gc_pause import gc_paused
 from dashboard.tenant_rows import LimitsRaw, RowsInputs, TenantRows
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import cells, live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, shard_tag, tenant_key
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, flood_utilisation, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_read
+from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
@@ -265,6 +267,8 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "utilisation": round(max(0, busy - busy_batch) / slots, 4) if slots else 0.0,
         "batch_share": round(busy_batch / slots, 4) if slots else 0.0,
         "target": round(slots * policy.pool.target_utilisation, 3),
+        "floor_headroom": policy.pool.floor_headroom,
+        "flood_utilisation": round(flood_utilisation(slots=slots, headroom=policy.pool.floor_headroom), 4),
     }
     tenant_rows = roster.rows.build(
         RowsInputs(signals, kept.limits_raw, holders, view, (slots, in_flight)),
@@ -301,5 +305,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         ),
         # Outside resources: configured limit, effective limit now (AIMD, 0 while paused).
         "resources": resources_explain(policy),
+        # Which of the services FairQueue needs answer now (a restart or failover in progress).
+        "dependencies": dependencies_up(),
         "policy_changes": kept.markers,
     }

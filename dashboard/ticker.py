@@ -19,9 +19,11 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
 from dashboard.snapshot import snapshot_build
+from fairqueue.jobs.failure_log import FailureLog
 from fairqueue.jobs.runtime import redis_client
 
 log = logging.getLogger("fairqueue.dashboard")
+tick_failures = FailureLog(log, "dashboard")
 
 GROUP = "dashboard"
 TICK_SECONDS = 1.0
@@ -53,8 +55,10 @@ async def ticker_run(*, tick_seconds: float = TICK_SECONDS) -> None:
             await tick_once(int(time.time() // tick_seconds))
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("dashboard tick failed")
+        except Exception as exc:  # the channel layer's Redis away, say: the next tick tries again
+            tick_failures.failed("tick", exc)
+        else:
+            tick_failures.succeeded("tick")
 
 
 class _LoopTicker:

@@ -64,15 +64,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import redis
+from psycopg.rows import dict_row
 
 from fairqueue.bench.cluster import LocalCluster, Node, free_cluster_ports
+from fairqueue.bench.outages import DashboardWatch, RestartedServers, restarts_report, staff_session
 from fairqueue.bench.stack import (
     ROOT,
     StackError,
     WebServer,
     engine_url_of,
     fresh_database,
+    migrate,
     redis_db_prepare,
     stack_env,
     worker_argv,
@@ -96,6 +100,7 @@ TAG = f"s:{SHARD}"  # fairqueue.jobs.admission.shard_tag(SHARD)
 # does; the quick run's 2 s would not.
 CLUSTER_LEASE_SECONDS = 10.0
 HEALTH_POLL_SECONDS = 0.05
+RESTARTS = ("database", "broker", "channels")
 
 Log = Callable[[str], None]
 
@@ -149,6 +154,11 @@ class ChaosConfig:
     cluster: bool = False
     cluster_ports: list[int] | None = None  # free ports when not given
     replication_cut_ms: float = 500.0
+    # Dependencies restarted under load, each on a server of the run's own: "database" (a
+    # private PostgreSQL, stopped `immediate`), "broker" (Redis on a server of its own,
+    # restarted empty), "channels" (the channel layer's Redis, restarted empty).
+    restarts: tuple[str, ...] = ()
+    restart_outage_seconds: float = 8.0
 
     @classmethod
     def make(cls, *, quick: bool, **overrides: Any) -> ChaosConfig:
@@ -157,6 +167,12 @@ class ChaosConfig:
             base.lease_seconds = CLUSTER_LEASE_SECONDS
             if quick:
                 base.load_seconds = 20.0  # room for a failover and a data loss
+        if overrides.get("restarts") and quick:
+            base.load_seconds = 12.0 + 8.0 * len(overrides["restarts"])  # room for each outage apart
+            base.restart_outage_seconds = 5.0
+        unknown = set(overrides.get("restarts") or ()) - set(RESTARTS)
+        if unknown:
+            raise ChaosError(f"unknown restart {sorted(unknown)}: choose from {', '.join(RESTARTS)}")
         for name, value in overrides.items():
             if value is not None:
                 setattr(base, name, value)
@@ -382,24 +398,47 @@ class Load:
 # --- checks ----------------------------------------------------------------------------------------
 
 
-def _db(path: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-    conn.row_factory = sqlite3.Row
-    return conn
+class RunDatabase:
+    """The run's database, read with its own driver (this process has no Django database):
+    the SQLite file, or the private PostgreSQL server of a run that restarts it. Rows come
+    back as dicts with ids as hex strings and JSON as text, whichever the database."""
+
+    def __init__(self, *, sqlite_path: Path | None = None, postgres_url: str | None = None) -> None:
+        self.sqlite_path = sqlite_path
+        self.postgres_url = postgres_url
+
+    def rows(self, sql: str) -> list[dict[str, Any]]:
+        if self.postgres_url:
+            with psycopg.connect(self.postgres_url, row_factory=dict_row, connect_timeout=10) as pg:
+                return [{k: _plain(v) for k, v in row.items()} for row in pg.execute(sql)]  # type: ignore[arg-type]
+        conn = sqlite3.connect(f"file:{self.sqlite_path}?mode=ro", uri=True, timeout=30)
+        conn.row_factory = sqlite3.Row
+        try:
+            return [dict(row) for row in conn.execute(sql)]
+        finally:
+            conn.close()
 
 
-def job_statuses(db_path: Path) -> dict[str, str]:
-    with _db(db_path) as conn:
-        return {row["id"]: row["status"] for row in conn.execute("SELECT id, status FROM jobs_job")}
+def _plain(value: Any) -> Any:
+    """A PostgreSQL value as SQLite's rows have it: a UUID as 32 hex digits, JSON as text."""
+    if isinstance(value, uuid.UUID):
+        return value.hex
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return value
 
 
-def wait_quiet(db_path: Path, accepted: Iterable[str], *, timeout: float, log: Log) -> tuple[bool, float]:
+def job_statuses(db: RunDatabase) -> dict[str, str]:
+    return {row["id"]: row["status"] for row in db.rows("SELECT id, status FROM jobs_job")}
+
+
+def wait_quiet(db: RunDatabase, accepted: Iterable[str], *, timeout: float, log: Log) -> tuple[bool, float]:
     """Until every accepted job is terminal (True) or the timeout (False); and the time it took."""
     ids = set(accepted)
     started = time.monotonic()
     last_report = started
     while True:
-        statuses = job_statuses(db_path)
+        statuses = job_statuses(db)
         pending = [i for i in ids if statuses.get(i) not in TERMINAL]
         if not pending:
             return True, time.monotonic() - started
@@ -437,21 +476,20 @@ def over_limit_moments(intervals: list[tuple[float, float]], limit: int) -> tupl
     return moments, peak
 
 
-def concurrency_report(db_path: Path) -> dict[str, Any]:
+def concurrency_report(db: RunDatabase) -> dict[str, Any]:
     """Per tenant (hard max), registered sub-tenant and shard: peak concurrency and over-limit moments."""
-    with _db(db_path) as conn:
-        tenants = {
-            r["id"]: dict(r)
-            for r in conn.execute(
-                "SELECT t.id, t.slug, t.max_concurrency, t.dedicated, s.name AS shard, s.capacity "
-                "FROM tenants_tenant t JOIN tenants_shard s ON s.id = t.shard_id"
-            )
-        }
-        subs = {
-            (r["tenant_id"], r["external_id"]): r["max_concurrency"]
-            for r in conn.execute("SELECT tenant_id, external_id, max_concurrency FROM tenants_subtenant")
-        }
-        rows = list(conn.execute("SELECT tenant_id, sub_tenant, result FROM jobs_job WHERE status = 'succeeded'"))
+    tenants = {
+        r["id"]: r
+        for r in db.rows(
+            "SELECT t.id, t.slug, t.max_concurrency, t.dedicated, s.name AS shard, s.capacity "
+            "FROM tenants_tenant t JOIN tenants_shard s ON s.id = t.shard_id"
+        )
+    }
+    subs = {
+        (r["tenant_id"], r["external_id"]): r["max_concurrency"]
+        for r in db.rows("SELECT tenant_id, external_id, max_concurrency FROM tenants_subtenant")
+    }
+    rows = db.rows("SELECT tenant_id, sub_tenant, result FROM jobs_job WHERE status = 'succeeded'")
     groups: dict[tuple[str, str], list[tuple[float, float]]] = {}
     limits: dict[tuple[str, str], int | None] = {}
     missing_times = 0
@@ -490,7 +528,7 @@ def concurrency_report(db_path: Path) -> dict[str, Any]:
     }
 
 
-def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
+def ledger_report(db: RunDatabase, succeeded: set[str]) -> dict[str, Any]:
     """The demo ledger against the runs the jobs were allowed.
 
     A job runs at least once: a worker killed after the task wrote its side effect and
@@ -499,12 +537,10 @@ def ledger_report(db_path: Path, succeeded: set[str]) -> dict[str, Any]:
     and counts the attempt. So each attempt lost with its worker may add one count to a
     job's ledger row (`rerun_after_worker_loss`); a count past 1 + the job's worker losses
     is a run the system should not have made (`duplicated`)."""
-    with _db(db_path) as conn:
-        writes = {r["job_id"]: r["writes"] for r in conn.execute("SELECT job_id, writes FROM jobs_ledgerentry")}
-        losses = {
-            r["id"]: r["worker_losses"]
-            for r in conn.execute("SELECT id, worker_losses FROM jobs_job WHERE worker_losses > 0")
-        }
+    writes = {r["job_id"]: r["writes"] for r in db.rows("SELECT job_id, writes FROM jobs_ledgerentry")}
+    losses = {
+        r["id"]: r["worker_losses"] for r in db.rows("SELECT id, worker_losses FROM jobs_job WHERE worker_losses > 0")
+    }
     duplicated = sorted(j for j, w in writes.items() if w > 1 + losses.get(j, 0))
     rerun = sorted(j for j, w in writes.items() if 1 < w <= 1 + losses.get(j, 0))
     missing = sorted(succeeded - set(writes))
@@ -693,9 +729,13 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("*.log"):
         old.unlink()
+    servers = RestartedServers(config.restarts, run_dir=run_dir, log_dir=log_dir).start()
+    db = RunDatabase(postgres_url=servers.database_url) if servers.database_url else RunDatabase(sqlite_path=db_path)
     env = stack_env(
         redis_url=config.redis_url,
         db_path=db_path,
+        database_url=servers.database_url,
+        **servers.role_urls,
         FAIRQUEUE_LEASE_SECONDS=str(config.lease_seconds),
         FAIRQUEUE_DISPATCH_LEASE_SECONDS=str(config.dispatch_lease_seconds),
         FAIRQUEUE_POISON_PILL_LIMIT=str(config.poison_limit),
@@ -715,14 +755,22 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
     watch: TagWatch | None = None
     kills: list[dict[str, Any]] = []
     flushes: list[dict[str, Any]] = []
+    restarts: list[dict[str, Any]] = []
+    dashboard: DashboardWatch | None = None
     faults: dict[str, Any] = {}
     try:
         if config.cluster:
             cluster = LocalCluster(config.cluster_ports or free_cluster_ports(), log_dir=log_dir).start()
             env["FAIRQUEUE_ENGINE_URL"] = cluster.url  # broker, channels and cache stay on the run's Redis
         engine_url = engine_url_of(env)
-        log(f"  stack: {db_path} + {config.redis_url}, engine on {engine_url}; logs in {log_dir}")
-        fresh_database(db_path, env)
+        log(
+            f"  stack: {servers.database_url or db_path} + {config.redis_url}, engine on {engine_url}"
+            f"{servers.describe()}; logs in {log_dir}"
+        )
+        if servers.database_url:
+            migrate(env)
+        else:
+            fresh_database(db_path, env)
         keys = tenants_create(env)
         web = WebServer(env=env, log_dir=log_dir)
         workers = WorkerPool(slots=config.slots, env=env, log_dir=log_dir)
@@ -730,6 +778,8 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         web.start(timeout=60)
         workers.wait_registered(first)
         log(f"  stack up in {time.monotonic() - t0:.1f}s: daphne on {web.base_url}, workers {', '.join(first)}")
+        if "channels" in config.restarts:
+            dashboard = DashboardWatch(web.base_url, staff_session(env)).start()
 
         load = Load(base_url=web.base_url, keys=keys, config=config, rng=random.Random(rng.random()))
         load_started = time.monotonic()
@@ -748,7 +798,11 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             redis_plan = [(span * rng.uniform(0.3, 0.4), "failover"), (span * rng.uniform(0.7, 0.8), "data_loss")]
         else:
             redis_plan = [(flush_at, "flush")]
-        plan = sorted([(t, "kill") for t in kill_at] + redis_plan)
+        restart_plan = []
+        for i, what in enumerate(config.restarts):  # each outage in a window of its own
+            down = span * (i + rng.uniform(0.2, 0.4)) / len(config.restarts)
+            restart_plan += [(down, f"down:{what}"), (down + config.restart_outage_seconds, f"up:{what}")]
+        plan = sorted([(t, "kill") for t in kill_at] + redis_plan + restart_plan)
         chaos_client = redis.Redis.from_url(config.redis_url)
         for at, what in plan:
             delay = load_started + at - time.monotonic()
@@ -769,6 +823,13 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
                     f"{config.replication_cut_ms:.0f} ms later SIGKILL; {fo['promoted_port']} promoted after "
                     f"{fo['promotion_s']}s; {fo['killed_port']} restarted as a replica"
                 )
+            elif what.startswith(("down:", "up:")):
+                event, _, dependency = what.partition(":")
+                servers.switch(dependency, up=event == "up")
+                restarts.append(
+                    {"dependency": dependency, "event": event, "at_s": round(elapsed, 2), "_t": time.monotonic()}
+                )
+                log(f"  t+{elapsed:5.1f}s {dependency} {'back' if event == 'up' else 'stopped'}")
             elif what == "data_loss" and cluster is not None:
                 loss = faults["data_loss"] = primary_data_loss(cluster)
                 log(f"  t+{elapsed:5.1f}s primary {loss['port']} lost its data ({loss['keys_lost']} keys)")
@@ -783,32 +844,33 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             f"({dict(sorted(load.counts.items()))})"
         )
 
-        quiet, quiet_s = wait_quiet(db_path, load.accepted, timeout=config.quiet_timeout, log=log)
+        quiet, quiet_s = wait_quiet(db, load.accepted, timeout=config.quiet_timeout, log=log)
         log(f"  {'quiet' if quiet else 'NOT quiet (timeout)'} after {quiet_s:.1f}s")
         leftovers, settle_s = wait_engine_drained(engine_url, timeout=config.lease_seconds * 3 + 3)
         if watch is not None:
             watch.stop()
 
-        statuses = job_statuses(db_path)
+        statuses = job_statuses(db)
         accepted = set(load.accepted)
         by_status = Counter(statuses.get(j, "missing") for j in accepted)
         succeeded_ids = {j for j in accepted if statuses.get(j) == "succeeded"}
         lost_ids = sorted(j for j in accepted if statuses.get(j) not in TERMINAL)
         stray = sorted(j for j, s in statuses.items() if j not in accepted and s not in TERMINAL)
-        ledger = ledger_report(db_path, succeeded_ids)
-        concurrency = concurrency_report(db_path)
-        with _db(db_path) as conn:
-            failures = Counter(
-                r["error_reason"] or "?"
-                for r in conn.execute("SELECT error_reason FROM jobs_job WHERE status = 'failed'")
-            )
-            redelivered = conn.execute("SELECT COUNT(*) FROM jobs_job WHERE worker_losses > 0").fetchone()[0]
+        ledger = ledger_report(db, succeeded_ids)
+        concurrency = concurrency_report(db)
+        failures = Counter(
+            r["error_reason"] or "?" for r in db.rows("SELECT error_reason FROM jobs_job WHERE status = 'failed'")
+        )
+        redelivered = db.rows("SELECT COUNT(*) AS n FROM jobs_job WHERE worker_losses > 0")[0]["n"]
         report: dict[str, Any] = {
             "accepted": len(accepted),
             "succeeded": by_status.get("succeeded", 0),
             "failed": by_status.get("failed", 0),
+            # The run's jobs (demo.sleep) fail only by what the run breaks: every failure is one.
+            "failed_by_infrastructure": by_status.get("failed", 0),
             "cancelled": by_status.get("cancelled", 0),
-            "lost": len(lost_ids),
+            "lost": by_status.get("missing", 0),
+            "stuck": len(lost_ids) - by_status.get("missing", 0),
             "duplicated": len(ledger["duplicated"]),
             "rerun_after_worker_loss": len(ledger["rerun_after_worker_loss"]),
             "missing_side_effects": len(ledger["missing"]),
@@ -816,6 +878,7 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             "leaked_holds": leaked_count(leftovers),
             "workers_killed": len(kills),
             "redis_restarts": len(flushes),
+            "dependency_restarts": sum(r["event"] == "down" for r in restarts),
             "redelivered_after_worker_loss": redelivered,
             "duration_s": round(time.monotonic() - t0, 1),
         }
@@ -827,10 +890,15 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             report["failovers"] = int("failover" in faults)
             report["primary_data_losses"] = int("data_loss" in faults)
             limits_held = report["cluster"]["over_limit_events_elsewhere"] == 0 and len(faults) == 2
+        if restarts:
+            report["restarts"] = restarts_report(restarts, dashboard)
+            resumed = [r["dashboard_resumed_s"] for r in report["restarts"] if r["dependency"] == "channels"]
+            limits_held = limits_held and None not in resumed
         report["ok"] = bool(
             report["accepted"] > 0
             and report["succeeded"] == report["accepted"]
             and report["lost"] == 0
+            and report["stuck"] == 0
             and report["duplicated"] == 0
             and report["missing_side_effects"] == 0
             and limits_held
@@ -867,6 +935,8 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         }
         return report
     finally:
+        if dashboard is not None:
+            dashboard.stop()
         if load is not None:
             load.stop()
         if watch is not None:
@@ -877,6 +947,7 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
             web.stop()
         if cluster is not None:
             cluster.stop()
+        servers.stop()
         with contextlib.suppress(redis.RedisError):
             redis.Redis.from_url(config.redis_url).flushdb()
 
@@ -885,7 +956,9 @@ SUMMARY_KEYS = (
     "accepted",
     "succeeded",
     "failed",
+    "failed_by_infrastructure",
     "lost",
+    "stuck",
     "duplicated",
     "rerun_after_worker_loss",
     "missing_side_effects",
@@ -893,6 +966,7 @@ SUMMARY_KEYS = (
     "leaked_holds",
     "workers_killed",
     "redis_restarts",
+    "dependency_restarts",
     "redelivered_after_worker_loss",
     "duration_s",
     "ok",
@@ -914,6 +988,11 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"  engine leftovers: {d['engine_leftovers']}")
     if d["http_errors"]:
         lines.append(f"  first HTTP errors: {d['http_errors'][:3]}")
+    for restart in report.get("restarts", []):
+        line = f"  {restart['dependency']} restarted at t+{restart['down_at_s']}s for {restart['outage_s']}s"
+        if "dashboard_resumed_s" in restart:
+            line += f"; the dashboard's updates resumed {restart['dashboard_resumed_s']}s after it was back"
+        lines.append(line)
     cluster = report.get("cluster")
     if cluster:
         fo = cluster.get("failover", {})

@@ -37,6 +37,7 @@ AMQP_MAX_PRIORITY = PRIORITY_LEVELS
 AMQP_BATCH_PRIORITY = 0
 AMQP_SCHEMES = frozenset({"amqp", "amqps", "pyamqp"})
 REDIS_SCHEMES = frozenset({"redis", "rediss", "redis+socket", "sentinel"})
+BROKER_CONNECT_TIMEOUT_SECONDS = 2.0
 
 
 class UnsupportedBroker(ValueError):
@@ -92,4 +93,7 @@ def broker_transport_options(url: str, *, visibility_timeout: int) -> dict[str, 
         # re-delivery is only a late safety net, so it must not fire on long jobs.
         "visibility_timeout": visibility_timeout,
         "global_keyprefix": "fq:celery:",
+        # A broker that does not answer fails a publish fast (it then waits in the database
+        # for the pending sweep) instead of holding a request for the OS's connect timeout.
+        "socket_connect_timeout": BROKER_CONNECT_TIMEOUT_SECONDS,
     }

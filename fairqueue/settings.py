@@ -6,7 +6,13 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
-from fairqueue.queues import JOBS_QUEUE, UnsupportedBroker, broker_transport_options, task_queues
+from fairqueue.queues import (
+    BROKER_CONNECT_TIMEOUT_SECONDS,
+    JOBS_QUEUE,
+    UnsupportedBroker,
+    broker_transport_options,
+    task_queues,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 RUNNING_TESTS = len(sys.argv) > 1 and sys.argv[1] == "test"
@@ -120,8 +126,18 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
         "min_size": 1,
         "max_size": env.int("FAIRQUEUE_DB_POOL_SIZE", default=12),
-        "timeout": 30,
+        # How long a caller waits for a connection when none is free, or while the server
+        # is away: past it the API answers 503 database_unavailable instead of hanging.
+        "timeout": env.float("FAIRQUEUE_DB_POOL_TIMEOUT", default=2.0),
+        # The pool retries a failed connection with a doubling delay; after this many seconds
+        # it gives that attempt up and the next caller starts a fresh one at once. Without a
+        # bound the delay grows with the outage, and a database that came back stays unused
+        # for up to half as long as it was away.
+        "reconnect_timeout": env.float("FAIRQUEUE_DB_RECONNECT_SECONDS", default=5.0),
     }
+    # A connection attempt to a server that does not answer (a failover in progress, a
+    # host gone) gives up after this many seconds (libpq's minimum is 2).
+    DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", env.int("FAIRQUEUE_DB_CONNECT_TIMEOUT", default=2))
     DATABASES["default"]["CONN_MAX_AGE"] = 0  # connections go back to the pool, not closed
     if env.str("FAIRQUEUE_TEST_DB_NAME", default=""):  # test shards side by side (scripts/test_shards.py)
         DATABASES["default"]["TEST"] = {"NAME": env.str("FAIRQUEUE_TEST_DB_NAME")}
@@ -194,6 +210,14 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A worker outlives a broker outage of any length (it keeps retrying) rather than exiting.
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
+# A broker that does not answer (RabbitMQ restarting) fails a publish within this long.
+CELERY_BROKER_CONNECTION_TIMEOUT = BROKER_CONNECT_TIMEOUT_SECONDS
+# After a broker reconnect Celery lowers the prefetch while older tasks run and raises it
+# again from the thread that acknowledges each: with the threads pool that thread and the
+# consumer's loop then both talk on the one AMQP connection and deadlock, and the worker
+# consumes nothing more. FairQueue sets the prefetch itself, from the consumer's loop
+# (fairqueue.jobs.backpressure.prefetch_apply), so Celery's own adjustment is off.
+CELERY_WORKER_ENABLE_PREFETCH_COUNT_REDUCTION = False
 # Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes CELERY_TASK_QUEUES:
 # latency classes are message priorities in fq.jobs, and the batch lane is read only when
 # no class waits (fq.batch on Redis, the lowest priority of fq.jobs on RabbitMQ).

@@ -11,3 +11,6 @@ urlpatterns = [
     path("", include("dashboard.urls")),
     path("", include("django_prometheus.urls")),
 ]
+
+# A database outage answers 503 with Retry-After wherever it strikes, never a 500 page.
+handler500 = "fairqueue.jobs.unavailable.server_error"

@@ -2,7 +2,7 @@
 pool settings forms, the live state in words and the what-if preview (tenants.admin_panel);
 every policy model's history, the timeline of changes and their revert (tenants.admin_history).
 
-Who may do what is Django's permissions (the roles are groups: tenants/migrations/0007):
+Who may do what is Django's permissions (the roles are groups: tenants/migrations/0008_policy_roles.py):
 view, add, change and delete per model, `tenants.rotate_keys` for the key rotations, and
 `tenants.view_policychange` for the timeline. A user who may view a tenant or the pool
 settings but not change them may still preview a change (the what-if), never save it."""
@@ -481,12 +481,14 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         "rate_window_seconds",
         "default_job_seconds",
         "batch_objective_seconds",
+        "floor_headroom",
         "updated_at",
     ]
     readonly_fields = ["updated_at"]
     fieldsets = [
         ("Pool pressure", {"fields": ["target_utilisation", "f_min", "f_max"]}),
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
+        ("Floors", {"fields": ["floor_headroom"]}),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
         REASON_FIELDSET,
         (None, {"fields": ["updated_at"]}),

@@ -264,6 +264,15 @@ class PoolSettings(models.Model):
         default=1.0, validators=[MinValueValidator(0.001)], help_text="Assumed job duration before any finishes."
     )
     batch_objective_seconds = models.PositiveIntegerField(default=12 * 3600, validators=[MinValueValidator(1)])
+    floor_headroom = models.PositiveIntegerField(
+        default=0,
+        help_text=(
+            "Slots kept free for tenants below their floor: a tenant above its floor does not take them, so a "
+            "steady tenant's first job starts at once even when a flood of long jobs came first. The cost: a "
+            "one-tenant flood runs on the pool less this many slots. 0: no slot is kept, and a tenant below its "
+            "floor waits at most for one job to end."
+        ),
+    )
     updated_at = models.DateTimeField(auto_now=True)
     history = _policy_history()
 

@@ -144,6 +144,7 @@ class PoolPolicy:
     rate_window_seconds: int = 300
     default_job_seconds: float = 1.0
     batch_objective_seconds: int = 12 * 3600
+    floor_headroom: int = 0
     version: int = 0
 
     @classmethod
@@ -157,6 +158,7 @@ class PoolPolicy:
             rate_window_seconds=int(data["rate_window_seconds"]),
             default_job_seconds=float(data["default_job_seconds"]),
             batch_objective_seconds=int(data["batch_objective_seconds"]),
+            floor_headroom=int(data.get("floor_headroom") or 0),
             version=int(data.get("version") or 0),
         )
 

@@ -6,7 +6,7 @@ The document (objects are keyed by name, so a reviewed diff reads as the change)
 
     format: fairqueue-policy/1
     pool: {target_utilisation: 0.85, f_min: 0.25, f_max: 4.0, rate_window_seconds: 300,
-           default_job_seconds: 1.0, batch_objective_seconds: 43200}
+           default_job_seconds: 1.0, batch_objective_seconds: 43200, floor_headroom: 0}
     shards: {default: {capacity: 100}}
     latency_classes: {critical: {objective_seconds: 60, rank: 40}, ...}
     resources: {llm-a: {limit: 10, decrease_factor: 0.5, increase_per_success: 0.2, recovery_seconds: 10.0}}
@@ -50,6 +50,7 @@ POOL_FIELDS = (
     "rate_window_seconds",
     "default_job_seconds",
     "batch_objective_seconds",
+    "floor_headroom",
 )
 SHARD_FIELDS = ("capacity",)
 CLASS_FIELDS = ("objective_seconds", "rank")

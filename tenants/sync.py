@@ -93,6 +93,7 @@ def _pool_mapping(pool: PoolSettings) -> dict[str, str]:
         "rate_window_seconds": str(pool.rate_window_seconds),
         "default_job_seconds": repr(float(pool.default_job_seconds)),
         "batch_objective_seconds": str(pool.batch_objective_seconds),
+        "floor_headroom": str(pool.floor_headroom),
     }
 
 

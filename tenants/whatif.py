@@ -24,7 +24,7 @@ MAX_HOURS = 24 * 7
 DEFAULT_HOURS = 1.0
 # The fields an operator can change in a what-if (the command's --set; the admin's forms).
 TENANT_FIELDS = ("floor", "burst_floor", "burst_pct", "max_concurrency", "dedicated", "sub_tenant_share", "active")
-POOL_FIELDS = ("target_utilisation", "f_min", "f_max", "rate_window_seconds", "default_job_seconds")
+POOL_FIELDS = ("target_utilisation", "f_min", "f_max", "rate_window_seconds", "default_job_seconds", "floor_headroom")
 SHARD_FIELDS = ("capacity",)
 
 
@@ -170,6 +170,7 @@ def policy_from_rows(
             rate_window_seconds=pool.rate_window_seconds,
             default_job_seconds=pool.default_job_seconds,
             batch_objective_seconds=pool.batch_objective_seconds,
+            floor_headroom=pool.floor_headroom,
         ),
     )
 

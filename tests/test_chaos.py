@@ -61,6 +61,26 @@ class ChaosQuickTests(SimpleTestCase):
         self.assertEqual(scopes["tenant:tiny"]["peak"], 1, context)
 
 
+@tag("slow", "chaos")
+class ChaosRestartsQuickTests(SimpleTestCase):
+    """`chaos --restart database,broker,channels`: the database (a private PostgreSQL), the
+    broker and the channel layer (Redis servers of their own) each restarted under load, on
+    top of the worker kills and the Redis flush (issue 40)."""
+
+    def test_restarts_under_load_fail_lose_and_strand_nothing(self) -> None:
+        report, context = chaos_run(self, "--restart", "database,broker,channels")
+        for count in ("failed_by_infrastructure", "lost", "stuck", "duplicated", "over_limit_events", "leaked_holds"):
+            self.assertEqual(report[count], 0, f"{count}: {context}")
+        self.assertEqual(report["dependency_restarts"], 3, context)
+        restarts = {r["dependency"]: r for r in report["restarts"]}
+        self.assertEqual(set(restarts), {"database", "broker", "channels"}, context)
+        self.assertIsNotNone(restarts["channels"]["dashboard_resumed_s"], context)
+        # The outage was felt: submits during the database's answered 503, not 500.
+        http = report["details"]["http"]
+        self.assertGreater(http.get("http_503", 0), 0, context)
+        self.assertEqual(http.get("http_500", 0), 0, context)
+
+
 @tag("slow", "chaos", "distributed", "cluster")
 class ChaosClusterQuickTests(SimpleTestCase):
     """The chaos run with the engine on a Redis Cluster it starts: worker SIGKILLs, a

@@ -76,6 +76,7 @@ class RolesTestCase(RedisTestCase):
                 "rate_window_seconds": "300",
                 "default_job_seconds": "1",
                 "batch_objective_seconds": "43200",
+                "floor_headroom": "0",
             },
         }
 

@@ -21,7 +21,7 @@ from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.due import due_rows, jobs_promote_due
 from fairqueue.jobs.execution import job_execute
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
-from fairqueue.jobs.retry_policy import RetryPolicy
+from fairqueue.jobs.retry_policy import DEFAULT_RETRY, RetryPolicy
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.stats import stats_read
 from tests import lifecycle_tasks
@@ -92,7 +92,8 @@ class SubmitInputTests(ApiTestCase):
             ({"max_attempts": 2.5}, "invalid_request", "max_attempts"),
             # A submit may lower the task's budget, never raise it.
             ({**flaky, "max_attempts": FLAKY_POLICY.max_attempts + 1}, "invalid_max_attempts", "max_attempts"),
-            ({"max_attempts": 2}, "invalid_max_attempts", "max_attempts"),  # demo.sleep has no retries
+            # demo.sleep declares no policy: the default's attempts (transient errors only).
+            ({"max_attempts": DEFAULT_RETRY.max_attempts + 1}, "invalid_max_attempts", "max_attempts"),
         ]
         for extra, code, field in cases:
             with self.subTest(extra=extra):

@@ -13,6 +13,12 @@ thread slots):
 - ``fair_shared_shard``: ``fair`` with the tenants' one shard capped at half the slots, so
   the shard key (shared by every tenant) binds, not the pool: fairness where a busy
   database shard is the limit.
+- ``fair_headroom``: ``fair`` with the pool's floor headroom set to the workload's
+  ``headroom`` slots, kept for tenants below their floor.
+
+``--mixed`` runs the long-jobs workload (issue 41): steady tenants with 0.2 s jobs, a noisy
+tenant flooding with 20 s jobs, 16 slots; its modes are ``fifo``, ``fair`` (no headroom)
+and ``fair_headroom``, and its targets are about a floor the steady tenants can count on.
 
 FairQueue modes submit through `job_submit` / `job_submit_bulk`, the functions behind
 `POST /api/v1/jobs` and `/jobs/bulk`, as task `demo.sleep`. With ``--submit http`` they go
@@ -66,7 +72,9 @@ from fairqueue.bench import stack
 from fairqueue.bench.extras import extras_require
 from fairqueue.queues import JOBS_QUEUE
 
-MODES = ("fifo", "isolation", "fair", "fair_no_burst", "fair_shared_shard")
+MODES = ("fifo", "isolation", "fair", "fair_no_burst", "fair_shared_shard", "fair_headroom")
+SHORT_JOB_MODES = MODES[:5]
+MIXED_MODES = ("fifo", "fair", "fair_headroom")
 REDIS_BROKER = "redis"  # the bench's own Redis database (--redis-url) as the Celery broker
 # Figures compared between brokers (another broker's over Redis's, same mode, same run).
 BROKER_COMPARED = ("quiet_p50_wait_s", "quiet_p99_wait_s", "noisy_p99_wait_s", "noisy_makespan_s", "utilization")
@@ -103,6 +111,9 @@ class Workload:
     burst_seconds: float = 3.0
     burst_chunks: int = 12
     steady_s: float = 30.0  # how long the steady tenants keep submitting
+    # Long jobs (--mixed): every noisy job lasts this long (None: drawn like the steady ones).
+    noisy_job_s: float | None = None
+    headroom: int = 2  # fair_headroom: the pool's floor headroom, in slots
 
     @property
     def slots(self) -> int:
@@ -123,6 +134,48 @@ PRESETS: dict[str, Workload] = {
         burst_seconds=1.0,
         burst_chunks=4,
         steady_s=7.0,
+    ),
+    # --mixed: the floor under long jobs. Four steady tenants send 0.2 s jobs, one a second
+    # each; 3 s in, the noisy tenant floods 64 jobs of 20 s (four rounds of the pool).
+    "mixed": Workload(
+        quiet_rate_per_s=1.0,
+        mean_job_s=0.2,
+        sigma=0.5,
+        max_job_s=1.0,
+        warmup_s=3.0,
+        burst_jobs=64,
+        burst_seconds=0.0,
+        burst_chunks=1,
+        steady_s=80.0,
+        noisy_job_s=20.0,
+    ),
+    "mixed-quick": Workload(
+        quiet_rate_per_s=1.0,
+        mean_job_s=0.2,
+        sigma=0.5,
+        max_job_s=1.0,
+        warmup_s=3.0,
+        burst_jobs=32,
+        burst_seconds=0.0,
+        burst_chunks=1,
+        steady_s=20.0,
+        noisy_job_s=8.0,
+    ),
+    "mixed-smoke": Workload(
+        workers=1,
+        slots_per_worker=4,
+        quiet_tenants=2,
+        quiet_rate_per_s=1.0,
+        mean_job_s=0.1,
+        sigma=0.5,
+        max_job_s=0.5,
+        warmup_s=1.0,
+        burst_jobs=8,
+        burst_seconds=0.0,
+        burst_chunks=1,
+        steady_s=5.0,
+        noisy_job_s=2.0,
+        headroom=1,
     ),
     "smoke": Workload(
         workers=1,
@@ -171,7 +224,8 @@ def workload_plan(w: Workload) -> list[Planned]:
     for n in range(w.burst_jobs):
         chunk = n // per_chunk
         at = w.warmup_s + (w.burst_seconds * chunk / max(w.burst_chunks - 1, 1) if w.burst_chunks > 1 else 0.0)
-        plan.append(Planned(at=round(at, 4), tenant=NOISY_SLUG, seconds=duration(), chunk=chunk))
+        seconds = w.noisy_job_s if w.noisy_job_s is not None else duration()
+        plan.append(Planned(at=round(at, 4), tenant=NOISY_SLUG, seconds=seconds, chunk=chunk))
     return sorted(plan, key=lambda p: (p.at, p.tenant))
 
 
@@ -279,9 +333,38 @@ def mode_metrics(records: Sequence[dict[str, Any]], *, slots: int) -> dict[str, 
     }
 
 
+def mixed_targets_check(modes: dict[str, dict[str, Any]], w: Workload) -> dict[str, Any]:
+    """The long-jobs targets (issue 41); `met` is None when a mode they need was not run."""
+    fair, headroom = modes.get("fair"), modes.get("fair_headroom")
+    noisy_s = w.noisy_job_s or 0.0
+    kept_share = max(0, w.slots - w.headroom) / w.slots
+    out: dict[str, Any] = {}
+    q99 = None if headroom is None else headroom.get("quiet_p99_wait_s")
+    out["quiet_p99_with_headroom"] = {
+        "target": "fair_headroom quiet P99 wait <= 1 s",
+        "fair_headroom": q99,
+        "met": None if q99 is None else q99 <= 1.0,
+    }
+    f99 = None if fair is None else fair.get("quiet_p99_wait_s")
+    out["quiet_p99_without_headroom"] = {
+        "target": "fair quiet P99 wait <= one noisy job's duration (never two rounds)",
+        "fair": f99,
+        "noisy_job_s": noisy_s,
+        "met": None if f99 is None else f99 <= noisy_s,
+    }
+    util = None if headroom is None else headroom.get("utilization")
+    out["utilization_with_headroom"] = {
+        "target": "fair_headroom utilisation >= the share of the pool not kept as headroom - 0.03",
+        "fair_headroom": util,
+        "bound": round(kept_share - 0.03, 4),
+        "met": None if util is None else util >= kept_share - 0.03,
+    }
+    return out
+
+
 def targets_check(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's four targets; `met` is None when a mode they need was not run."""
-    fifo, iso, fair, nb, shared = (modes.get(m) for m in MODES)
+    fifo, iso, fair, nb, shared = (modes.get(m) for m in SHORT_JOB_MODES)
     out: dict[str, Any] = {}
 
     def get(m: dict[str, Any] | None, k: str) -> float | None:
@@ -353,7 +436,18 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--json", dest="json_path", help="also write the result document to this JSON file")
     parser.add_argument("--plot", dest="plot_path", help="write the wait distributions to this PNG")
     stack.add_redis_arguments(parser)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="the long-jobs workload: steady 0.2 s jobs beside a flood of 20 s jobs, in modes "
+        f"{', '.join(MIXED_MODES)} (with --quick or --smoke: shorter)",
+    )
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated subset of {','.join(MODES)} (default: {','.join(SHORT_JOB_MODES)}; with --mixed "
+        f"{','.join(MIXED_MODES)})",
+    )
     parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the preset's)")
     parser.add_argument("--workers", type=int, default=None, help="worker processes (default: the preset's)")
     parser.add_argument("--slots-per-worker", type=int, default=None, help="thread slots per worker")
@@ -384,11 +478,15 @@ def add_arguments(parser: Any) -> None:
 
 def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
     extras_require(REQUIRED_EXTRAS + (PLOT_EXTRAS if options["plot_path"] else ()), purpose="bench noisy")
-    modes = [m.strip() for m in options["modes"].split(",") if m.strip()]
+    mixed = bool(options.get("mixed"))
+    chosen = options.get("modes") or ",".join(MIXED_MODES if mixed else SHORT_JOB_MODES)
+    modes = [m.strip() for m in chosen.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise RuntimeError(f"unknown modes {unknown}; choose from {list(MODES)}")
     preset = "smoke" if options["smoke"] else "quick" if options["quick"] else "default"
+    if mixed:
+        preset = {"default": "mixed", "quick": "mixed-quick", "smoke": "mixed-smoke"}[preset]
     return run(
         redis_url=options["redis_url"],
         preset=preset,
@@ -433,7 +531,7 @@ def run(
     *,
     redis_url: str = stack.DEFAULT_REDIS_URL,
     preset: str = "default",
-    modes: Sequence[str] = MODES,
+    modes: Sequence[str] = SHORT_JOB_MODES,
     force: bool = False,
     plot_path: str | None = None,
     seed: int | None = None,
@@ -533,7 +631,7 @@ def run(
             "(submitted until started), in slot-seconds / slots",
             "jobs_per_s": "jobs / (last finish - first submit)",
         },
-        "targets": targets_check(results),
+        "targets": mixed_targets_check(results, workload) if workload.noisy_job_s else targets_check(results),
         "trace_path": str(trace_path),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
@@ -543,7 +641,11 @@ def run(
             name: {
                 "url": stack.broker_label(url or redis_url),
                 "modes": by_broker[name],
-                "targets": targets_check(by_broker[name]),
+                "targets": (
+                    mixed_targets_check(by_broker[name], workload)
+                    if workload.noisy_job_s
+                    else targets_check(by_broker[name])
+                ),
             }
             for name, url in brokers
         }
@@ -562,7 +664,7 @@ def run(
 def _timeout(w: Workload) -> float:
     # Worst case is isolation: the noisy tenant drains on its fixed share alone.
     share = max(w.slots // w.tenants, 1)
-    return 120 + w.steady_s + 3 * w.burst_jobs * w.mean_job_s / share
+    return 120 + w.steady_s + 3 * w.burst_jobs * (w.noisy_job_s or w.mean_job_s) / share
 
 
 def _fmt(x: Any) -> str:
@@ -674,6 +776,8 @@ def _policy_setup(mode: str, w: Workload) -> dict[str, str]:
         tenant.save()
     if mode == "isolation":
         pool.f_min = pool.f_max = 1.0
+    if mode == "fair_headroom":
+        pool.floor_headroom = w.headroom
     pool.save()
     policy_sync_all()
     return keys

@@ -23,6 +23,14 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
 BATCH_PRIORITY = 0
+# Admitted jobs may outnumber the pool's live slots by this many: a delivery in transit to a
+# worker holds a pool slot it does not use yet. Handoffs and pulls run the next job in the
+# slot that freed, so none is needed to keep slots busy, and any would be a backlog in the
+# broker's FIFO queue, where no fair order applies.
+POOL_MARGIN = 0
+# A tenant's jobs cost the pool's fair order their expected duration over their weight
+# (slot-seconds, not slots: docs/fairness.md); durations below this count as this.
+MIN_JOB_SECONDS = 0.01
 # An outside resource's key sorts before every other, so a job waiting for a throttled (or
 # paused) upstream holds nothing else meanwhile: no tenant or shard slot sits idle behind
 # an upstream's refusal (docs/resources.md).
@@ -124,6 +132,33 @@ def tenant_limit_for(policy: PolicySnapshot, tenant: TenantPolicy, signals: Live
     return breakdown
 
 
+def pool_room(*, slots: int, held_by_shard: Mapping[str, int], shard: str, margin: int = POOL_MARGIN) -> int | None:
+    """The most jobs a shard's key may hold now, so that the jobs admitted across the fleet
+    never outnumber its live slots (plus `margin`): the slots less what the other shards'
+    keys hold. Jobs beyond it park at the shard key in fair order instead of queueing in
+    the broker. None while no worker is registered: with no fleet to count, the tenants'
+    limits alone bound what is admitted, and it waits in the broker for the first worker."""
+    if slots <= 0:
+        return None
+    elsewhere = sum(held_by_shard.values()) - held_by_shard.get(shard, 0)
+    return max(0, slots + margin - elsewhere)
+
+
+def flood_utilisation(*, slots: int, headroom: int) -> float:
+    """The floor headroom's cost: the share of the pool one tenant above its floor can fill
+    (the slots kept for tenants below theirs stay free while nobody below a floor asks)."""
+    if slots <= 0:
+        return 1.0
+    return max(0, slots - headroom) / slots
+
+
+def flow_weight(floor: int, mean_seconds: float) -> float:
+    """A tenant's weight in a shared key's fair order: its floor per second of a job, so that
+    tenants share the pool's slot-seconds in proportion to their floors (a tenant of 20 s
+    jobs gets one job served for every hundred of a tenant of 0.2 s jobs at equal floors)."""
+    return max(floor, 1) / max(mean_seconds, MIN_JOB_SECONDS)
+
+
 def sub_tenant_cap(policy: PolicySnapshot, tenant: TenantPolicy, external_id: str, limit: int) -> int:
     """A registered sub-tenant's own cap, else the tenant's default share of its limit."""
     registered = policy.subtenants.get(tenant.slug, {}).get(external_id)
@@ -193,6 +228,7 @@ def admission_plan(
     batch_limit: int = 0,
     placement: tuple[str, list[str]] | None = None,
     resource_limits: Mapping[str, int] | None = None,
+    pool_room: int | None = None,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
@@ -202,10 +238,16 @@ def admission_plan(
 
     `resource_limits` maps each outside resource the job calls to its key's limit now (the
     effective limit, 0 while paused: tenants.resource_limits); each is one more key.
+
+    `pool_room` (`pool_room()`, None: no cap) caps the shard key, which every job holds
+    last, at what the pool's live slots leave for this shard: the broker never holds more
+    admitted jobs than the workers can start.
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
     capacity = max(0, shard.capacity - signals.shard_held_elsewhere)
+    if pool_room is not None:
+        capacity = min(capacity, pool_room)
     limits = [batch_limit if batch else breakdown.limit, capacity]
     if batch:
         priority = BATCH_PRIORITY
@@ -217,9 +259,11 @@ def admission_plan(
     limits += [(resource_limits or {})[r] for r in resources]
     tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources)
     # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
-    # weighted by its floor; at the tenant key each sub-tenant is one (splitting work over
-    # many sub-tenants or keys gains nothing at the shard: it is still one flow there).
-    tenant_flow = (tenant.slug, float(max(tenant.floor, 1)))
+    # weighted by its floor per second of its jobs (flow_weight); at the tenant key each
+    # sub-tenant is one (splitting work over many sub-tenants or keys gains nothing at the
+    # shard: it is still one flow there).
+    mean = signals.mean_seconds if signals.mean_seconds is not None else policy.pool.default_job_seconds
+    tenant_flow = (tenant.slug, flow_weight(tenant.floor, mean))
     flows = [tenant_flow if batch else (sub_tenant, 1.0), tenant_flow]
     if sub_tenant:
         flows.append(("", 1.0))

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import redis
 from django.core.exceptions import RequestDataTooBig
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse
 from ninja import Field, NinjaAPI, Query, Schema, Swagger
 from ninja.errors import AuthenticationError, HttpError
@@ -28,6 +29,7 @@ from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
+from fairqueue.jobs.unavailable import DATABASE_RETRY_AFTER_SECONDS, DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_MESSAGE
 from tenants.authentication import tenant_authenticate_cached, tenant_authenticate_nowait
 from tenants.models import Tenant
 from webhooks.selectors import job_webhooks
@@ -184,6 +186,16 @@ def _redis_down(request: HttpRequest, exc: redis.RedisError) -> HttpResponse:
     # cannot validate a job. Once it has, submissions are accepted during an outage.
     response = error_response(request, 503, "unavailable", "The scheduler is briefly unavailable; retry shortly.")
     response["Retry-After"] = "5"
+    return response
+
+
+@api.exception_handler(OperationalError)
+@api.exception_handler(InterfaceError)
+def _database_down(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # The database is the record of every job: without it nothing was accepted (the
+    # request's transaction rolled back), and the client retries.
+    response = error_response(request, 503, DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_MESSAGE)
+    response["Retry-After"] = str(DATABASE_RETRY_AFTER_SECONDS)
     return response
 
 
@@ -402,6 +414,15 @@ class PoolOut(Schema):
     target: float
     in_flight: int
     batch_in_flight: int
+    room: int | None = Field(
+        None,
+        description="The most jobs the tenant's shard may hold at once: the pool's live slots less what the "
+        "other shards hold, so the broker never holds an admitted backlog (null: no worker registered).",
+    )
+    floor_headroom: int = Field(0, description="Slots kept for tenants below their floor (a pool setting).")
+    flood_utilisation: float = Field(
+        1.0, description="The headroom's cost: the share of the pool a tenant above its floor can fill."
+    )
 
 
 class ResourceLimitOut(Schema):

@@ -34,6 +34,8 @@ from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_ta
 __all__ = [
     "BATCH_QUEUE",
     "JOBS_QUEUE",
+    "broker_identity",
+    "broker_ping",
     "deliveries_publish",
     "delivery_publish",
     "delivery_pull",
@@ -165,6 +167,9 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
                         priority=priority,
                         producer=producer,
                         declare=_declarations(queue, amqp=amqp),
+                        # No retry loop on the caller's path (a request's): a delivery that
+                        # cannot go now waits in the database for the pending sweep.
+                        retry=False,
                     )
 
 
@@ -383,6 +388,30 @@ def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> Non
     for name, messages in by_list.items():
         pipe.lpush(name, *messages)
     pipe.execute()
+
+
+def broker_identity() -> str | None:
+    """Which server the broker is now, for noticing that it restarted: a Redis broker's run
+    id (new at every start; a server that keeps nothing on disk comes back empty, its
+    deliveries lost). None on RabbitMQ, whose durable queues keep their messages."""
+    if _amqp():
+        return None
+    with app.producer_pool.acquire(block=True) as producer:
+        if getattr(producer.channel, "_q_for_pri", None) is None:
+            return None
+        return str(_publish_client(producer.channel).info("server")["run_id"])
+
+
+def broker_ping(*, timeout: float) -> None:
+    """Raise unless the broker answers within about `timeout` seconds: a Redis broker a
+    PING over the publishing pool, RabbitMQ a fresh connection (an idle pooled one would
+    not notice that the server went away)."""
+    if _amqp():
+        with app.connection_for_write() as connection:
+            connection.ensure_connection(max_retries=0, timeout=timeout)
+        return
+    with app.producer_pool.acquire(block=True, timeout=timeout) as producer:
+        _publish_client(producer.channel).ping()
 
 
 def _declarations(queue: str, *, amqp: bool) -> list[Any]:

@@ -34,6 +34,7 @@ from fairqueue.jobs.admission import (
     shard_tag,
 )
 from fairqueue.jobs.broker import deliveries_publish, delivery_route, route_carry, split_engine_id
+from fairqueue.jobs.database import TRANSIENT_DB_ERRORS, connections_heal
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
@@ -342,6 +343,7 @@ def _jobs_admit(
         alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()))
         plan = shared.get(alike)
         if plan is None:
+            fleet = live.fleet_state()
             plan = shared[alike] = admission_plan(
                 policy=policy,
                 tenant=tp,
@@ -353,6 +355,9 @@ def _jobs_admit(
                 batch_limit=live.fleet_state(max_age=0.05).batch_limit(tp.shard) if batch else 0,
                 placement=placement,
                 resource_limits=resources,
+                # Jobs already running (re-entered after a loss of Redis) hold their slots
+                # whatever the pool's size now.
+                pool_room=None if running else fleet.pool_room(tp.shard),
             )
         items.append(
             AdmitRequest(
@@ -478,10 +483,16 @@ def outcomes_handle(*, woken: Iterable[Woken], reclaimed: Iterable[Woken]) -> No
         _publish([(w.job_id, w.data) for w in woken])
         cells.jobs_unpark(split_engine_id(w.job_id)[0] for w in woken)
         line = tl.line(tl.WOKEN, at=now)
-        for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
-            Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
-                status=JobStatus.QUEUED, admitted_at=now, timeline=tl.appended(line)
-            )
+        try:
+            for generation, ids in _by_generation(split_engine_id(w.job_id) for w in woken).items():
+                Job.objects.filter(id__in=ids, generation=generation, status=JobStatus.PARKED).update(
+                    status=JobStatus.QUEUED, admitted_at=now, timeline=tl.appended(line)
+                )
+        except TRANSIENT_DB_ERRORS:
+            # Published already, and their claim takes them from `parked` too: the rows
+            # only say `parked` a little longer (the claim sets admitted_at).
+            log.warning("database unreachable: %d woken job(s) still read parked", len(woken), exc_info=True)
+            connections_heal()
     reclaimed = list(reclaimed)
     if reclaimed:
         jobs_redeliver([r.job_id for r in reclaimed])

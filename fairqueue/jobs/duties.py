@@ -21,12 +21,14 @@ from fairqueue.engine import KeysArg
 from fairqueue.jobs import cells, live
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_step
+from fairqueue.jobs.database import connections_heal
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.due import jobs_promote_due
+from fairqueue.jobs.failure_log import FailureLog
 from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
 from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
-from fairqueue.jobs.recovery import jobs_admit_pending, reconcile, releases_pending, state_ensure
+from fairqueue.jobs.recovery import broker_watch, jobs_admit_pending, reconcile, releases_pending, state_ensure
 from fairqueue.jobs.resource_keys import resource_limits_refresh
 from fairqueue.jobs.retention import retention_due_prune
 from fairqueue.jobs.runtime import engine
@@ -35,6 +37,7 @@ from tenants.policy import PolicySnapshot, policy_snapshot
 from webhooks.sender import webhooks_send_due
 
 log = logging.getLogger("fairqueue.jobs.duties")
+duty_failures = FailureLog(log, "periodic duty")
 
 BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting batch job is promoted
 SWEEP_JOBS_PER_TAG = 100
@@ -79,15 +82,19 @@ def scheduler_tick() -> None:
     def track_moves() -> None:
         old_tags.extend(moves_track(policy_snapshot()))
 
+    def sweep() -> None:
+        sweep_once(old_tags)
+
     duties: list[Callable[[], object]] = [
         state_ensure,
         track_moves,
         jobs_promote_due,  # early: a due job should start within a second of its time
-        lambda: sweep_once(old_tags),
+        sweep,
         limits_refresh,
         resource_limits_refresh,
         batch_promote_due,
         jobs_admit_pending,
+        broker_watch,
         releases_pending,
         reconcile,
         retention_step,
@@ -96,10 +103,16 @@ def scheduler_tick() -> None:
         cells_step,
     ]
     for duty in duties:
+        name = getattr(duty, "__name__", repr(duty))
         try:
             duty()
-        except Exception:
-            log.exception("periodic duty %s failed", getattr(duty, "__name__", duty))
+        except Exception as exc:
+            duty_failures.failed(name, exc)
+            # A database that went away leaves this thread's connection broken: heal it,
+            # so the next duty (or tick) opens a live one once the server is back.
+            connections_heal()
+        else:
+            duty_failures.succeeded(name)
 
 
 def batch_promote_due(*, limit: int = 200) -> int:
@@ -371,7 +384,9 @@ def limits_refresh() -> int:
         published = {slug: (limit, signals[slug].held_elsewhere) for slug, limit in limits_set.items()}
         wanted = {}
         for name in policy.shards:
-            limits = {SHARD_KEY: capacities[name], BATCH_KEY: fleet.batch_limit(name)}
+            room = fleet.pool_room(name)  # the pool's live slots, over every shard's key
+            shard_limit = capacities[name] if room is None else min(capacities[name], room)
+            limits = {SHARD_KEY: shard_limit, BATCH_KEY: fleet.batch_limit(name)}
             limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
             wanted[shard_tag(name)] = limits
         _planned = _Planned(

@@ -16,6 +16,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -30,6 +31,7 @@ from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
 from fairqueue.jobs.broker import delivery_unpull, split_engine_id
+from fairqueue.jobs.database import TRANSIENT_DB_ERRORS, db_wait
 from fairqueue.jobs.dispatch import KeepPick, job_release, job_release_keeping, jobs_admit, outcomes_handle
 from fairqueue.jobs.handoff import inline_pick, next_delivery
 from fairqueue.jobs.isolation import isolated_run
@@ -105,7 +107,11 @@ def _delivery_run(
 def _delivery_run_expected(
     *, job_id: str, generation: int, worker: str, keep: KeepPick | None, inline: bool, arrived: Callable[[], None]
 ) -> tuple[str, Woken | None]:
-    job = groupcommit.job_for_delivery(job_id=job_id, generation=generation)
+    # The database may be away (a restart, a failover): wait for it rather than drop the
+    # delivery. The slot's hold stays on its dispatch lease meanwhile.
+    job = db_wait(
+        lambda: groupcommit.job_for_delivery(job_id=job_id, generation=generation), what=f"reading job {job_id}"
+    )
     if job is None:
         # Stale generation, cancelled, or already run: the guard that makes it once.
         arrived()
@@ -179,11 +185,11 @@ def _job_run(
     if inline:  # handed this slot by a release: nobody else writes its wake-up
         steps.insert(0, tl.line(tl.WOKEN, "inline", at=now))
 
+    # Renewed from here on, also while the claim waits for an unreachable database.
+    active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
     # The compare-and-set, sent with the claims other threads make now (groupcommit).
-    claimed = groupcommit.job_claim(
-        job_id=job_id, generation=generation, worker=worker, now=now, lines="".join(steps), arrived=arrived
-    )
-    if not claimed:
+    if not _claim(job, worker=worker, now=now, lines="".join(steps), arrived=arrived):
+        active_leases.remove(job.engine_id)
         return "skipped", None  # claimed by another delivery in between: it renews the hold itself
     tracing.event("started", attempt=job.attempts + 1, worker=worker)
     tracing.job_span_hold(job.engine_id)
@@ -191,7 +197,6 @@ def _job_run(
     # the task reads its attempt number.
     job.attempts += 1
     job.started_at = now
-    active_leases.add(job.engine_id, tag, batch=job.in_batch_lane)
     outcome = "succeeded"
     fields: dict[str, Any] = {}
     retry_policy = NO_RETRY
@@ -231,12 +236,13 @@ def _job_run(
             fields.update(error="", error_reason="")
     except HoldLost:
         # Fenced: another delivery may own the job now. Record and release nothing: the
-        # engine reclaims the hold when its lease ends and the job is delivered again
-        # (the finally below stops renewing it).
+        # engine reclaims the hold when its lease ends and the job is delivered again.
+        _holding_end(job)
         log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
         return "fenced", None
     except Backoff as refusal:
         # An outside resource refused it: back to wait, not failed (fairqueue.jobs.backoff).
+        _holding_end(job)
         return job_back_off(job, refusal, started=now), None
     except Exception as exc:
         outcome = "failed"
@@ -249,9 +255,11 @@ def _job_run(
             error_reason=reason,
         )
         stats.count(f"attempt_failed:{reason}")
-    finally:
-        lost = active_leases.remove(job.engine_id)
-        tracing.job_span_drop(job.engine_id)
+    except BaseException:  # the thread is being torn down: nothing more is recorded here
+        _holding_end(job)
+        raise
+    tracing.job_span_drop(job.engine_id)
+    lost = active_leases.hold_lost(job.engine_id)
     finished = timezone.now()
     fields["finished_at"] = finished
     fields.update(
@@ -283,7 +291,16 @@ def _job_run(
         log.warning("job %s lost its hold while running; a newer delivery owns it", job_id)
     # The compare-and-set on `running` that makes the attempt's end final, sent with the
     # outcomes other threads record now (groupcommit); alone, its own statement (job_finish).
-    if groupcommit.job_outcome(job, fields=fields, lines=lines):
+    # While the database is away it waits, the hold still renewed: the job's outcome is
+    # kept, not failed (were the worker to die meanwhile, the job runs again).
+    try:
+        recorded = db_wait(
+            lambda: groupcommit.job_outcome(job, fields=fields, lines=lines),
+            what=f"recording the outcome of job {job_id}",
+        )
+    finally:
+        active_leases.remove(job.engine_id)
+    if recorded:
         stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
         if job.resources and fields["status"] == JobStatus.SUCCEEDED:
             job_resources_succeeded(job)
@@ -293,6 +310,38 @@ def _job_run(
     except Exception:  # a statistic; the job's outcome is already recorded
         log.warning("could not record the duration of job %s", job_id, exc_info=True)
     return outcome, kept
+
+
+def _holding_end(job: Job) -> None:
+    """Stop renewing the job's hold (and its span's), on a way out that records nothing."""
+    active_leases.remove(job.engine_id)
+    tracing.job_span_drop(job.engine_id)
+
+
+def _claim(job: Job, *, worker: str, now: datetime, lines: str, arrived: Callable[[], None]) -> bool:
+    """The claim's compare-and-set, waiting out an unreachable database. A claim whose
+    commit reached the server but whose answer was lost to the outage finds the row taken
+    when it is sent again: by this very delivery if the row says so (same worker, same
+    start), which then counts as won."""
+    job_id, generation = str(job.id), job.generation
+    interrupted = False
+
+    def attempt() -> bool:
+        nonlocal interrupted
+        try:
+            return groupcommit.job_claim(
+                job_id=job_id, generation=generation, worker=worker, now=now, lines=lines, arrived=arrived
+            )
+        except TRANSIENT_DB_ERRORS:
+            interrupted = True
+            raise
+
+    won = db_wait(attempt, what=f"claiming job {job_id}")
+    if not won and interrupted:
+        won = Job.objects.filter(
+            id=job_id, generation=generation, status=JobStatus.RUNNING, worker=worker, started_at=now
+        ).exists()
+    return won
 
 
 def _release_if_finished(job_id: str, generation: int, keep: KeepPick | None) -> Woken | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, batch_limits, shard_tag
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, batch_limits, pool_room, shard_tag
 from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
@@ -144,6 +144,8 @@ class FleetState:
     in_flight: int = 0  # non-batch jobs holding their slots across all shards
     batch_in_flight: int = 0
     batch_by_shard: dict[str, int] = field(default_factory=dict)
+    # Each shard key's holders (batch included): what the pool's slots are shared over.
+    held_by_shard: dict[str, int] = field(default_factory=dict)
     held_elsewhere: dict[str, int] = field(default_factory=dict)
     policy_version: int = -1
     at: float = 0.0
@@ -151,6 +153,10 @@ class FleetState:
     @property
     def pool_target(self) -> float:
         return self.slots * policy_snapshot().pool.target_utilisation
+
+    def pool_room(self, shard: str) -> int | None:
+        """The most jobs `shard`'s key may hold now (fairqueue.jobs.admission.pool_room)."""
+        return pool_room(slots=self.slots, held_by_shard=self.held_by_shard, shard=shard)
 
     def batch_limit(self, shard: str) -> int:
         by_shard = dict(self.batch_by_shard)
@@ -518,11 +524,13 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
     fleet = fleet_read()
     in_flight = 0
     batch_by_shard: dict[str, int] = {}
+    held_by_shard: dict[str, int] = {}
     held = {str(k): int(v) for k, v in redis_client().hgetall(HELD_ELSEWHERE_KEY).items()}
     by_tag = engine().counts_many({shard_tag(shard): [SHARD_KEY, BATCH_KEY] for shard in policy.shards})
     for shard in policy.shards:
         counts = by_tag[shard_tag(shard)]
         batch_by_shard[shard] = counts.get(BATCH_KEY, 0)
+        held_by_shard[shard] = counts.get(SHARD_KEY, 0)
         in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0)
     batch = sum(batch_by_shard.values())
     _fleet = FleetState(
@@ -533,6 +541,7 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
         in_flight=max(in_flight, 0),
         batch_in_flight=batch,
         batch_by_shard=batch_by_shard,
+        held_by_shard=held_by_shard,
         held_elsewhere=held,
         policy_version=policy.version,
         at=now,

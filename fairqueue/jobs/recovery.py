@@ -25,6 +25,9 @@ the writes it lost), deletes the tag's state and rebuilds it like a lost one.
 Pending. Jobs accepted while Redis was unreachable (or whose delivery could not be
 published) sit `queued` with no admission; each tick admits them once a few seconds old.
 
+Broker restarts. A Redis broker keeps nothing on disk: when the duties see a new server
+behind the broker URL, they publish every admitted job that has not started again.
+
 Reconcile. Each tick also checks a bounded number of unfinished rows against the engine
 and re-enters those whose engine state is missing (a parked row that is not parked, an
 admitted or running one without a hold), when seen missing on two ticks in a row (a
@@ -47,6 +50,7 @@ from django.utils import timezone
 from fairqueue.engine import TagHealth
 from fairqueue.jobs import cells, stats
 from fairqueue.jobs.admission import shard_tag
+from fairqueue.jobs.broker import broker_identity
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.models import ADMISSION_PENDING, RECONCILED, TERMINAL_STATUSES, Job, JobStatus
 from fairqueue.jobs.runtime import engine, redis_client
@@ -65,6 +69,7 @@ RECONCILE_CURSOR_KEY = "fq:reconcile:cursor"  # the last (submitted_at, id) chec
 RECONCILE_SUSPECTS_KEY = "fq:reconcile:suspects"  # HASH engine id -> status seen missing
 RELEASES_PER_TICK = 200
 RECONCILE_SUSPECTS_TTL_SECONDS = 60
+BROKER_IDENTITY_KEY = "fq:broker:identity"  # the broker server's identity the duties last saw
 
 # Delete the lock only if it is still ours (it may have expired and been taken since).
 _UNLOCK = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
@@ -236,6 +241,30 @@ def jobs_admit_pending(*, older_than: float = PENDING_GRACE_SECONDS, limit: int 
         # at submit); entering again is idempotent.
         jobs_admit(pending, enter_cells=True)
     return len(pending)
+
+
+def broker_watch() -> int:
+    """Publish again every admitted job not yet started when the broker is a new server
+    (a Redis broker restarted: it keeps nothing on disk, and the deliveries it held are
+    gone; those jobs still hold their slots, which would otherwise wait out their dispatch
+    lease). Returns how many were published again. A delivery that survived is skipped by
+    the claim's generation guard. RabbitMQ's durable queues keep theirs: nothing to do."""
+    identity = broker_identity()
+    if identity is None:
+        return 0
+    client = redis_client()
+    seen = client.getset(BROKER_IDENTITY_KEY, identity)
+    if seen is None or seen == identity:
+        return 0
+    log.warning("the broker is a new server (it restarted): publishing its admitted jobs again")
+    again = 0
+    admitted = Job.objects.filter(status=JobStatus.QUEUED, admitted_at__isnull=False)
+    for chunk in _chunks(admitted):
+        jobs_admit(chunk)
+        again += len(chunk)
+    stats.count("broker_restarts")
+    log.warning("published %d admitted job(s) again after the broker restart", again)
+    return again
 
 
 def releases_pending(*, limit: int = RELEASES_PER_TICK) -> int:

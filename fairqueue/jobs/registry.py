@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, PrivateAttr
 
-from fairqueue.jobs.retry_policy import NO_RETRY, RetryPolicy
+from fairqueue.jobs.retry_policy import DEFAULT_RETRY, RetryPolicy
 from fairqueue.jobs.task_limits import TaskTimeout, valid_limit
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -28,7 +28,7 @@ class RegisteredTask:
     # Outside resources every job of this task calls (tenants.models.Resource names): each
     # is a throttle key of its admissions, besides those a submit names.
     resources: tuple[str, ...] = ()
-    retry: RetryPolicy = NO_RETRY
+    retry: RetryPolicy = DEFAULT_RETRY
 
 
 class HoldLost(Exception):
@@ -129,7 +129,7 @@ def fairqueue_task(
             timeout_seconds=timeout_seconds,
             memory_limit_mb=memory_limit_mb,
             resources=tuple(resources),
-            retry=retry or NO_RETRY,
+            retry=retry or DEFAULT_RETRY,
         )
         return func
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import redis
+
+from fairqueue.jobs.database import TRANSIENT_DB_ERRORS
+
 MAX_ATTEMPTS_LIMIT = 100  # attempt_history keeps one entry per attempt: bounded
 
 
@@ -44,5 +48,12 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(max_attempts=1, backoff_base_s=0.0, backoff_cap_s=0.0)
+
+# Errors that say a dependency is away for a moment, not that the task is wrong: the
+# database unreachable or its connection broken (a restart, a failover), Redis unreachable.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (*TRANSIENT_DB_ERRORS, redis.ConnectionError, redis.TimeoutError)
+# The policy of a task that declares none: only transient errors are retried, a few times.
+# A task that declares its own retries what it lists (add TRANSIENT_ERRORS to keep these).
+DEFAULT_RETRY = RetryPolicy(max_attempts=3, backoff_base_s=1.0, backoff_cap_s=30.0, retry_on=TRANSIENT_ERRORS)
 
 _rng = random.SystemRandom()

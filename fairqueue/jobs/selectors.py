@@ -9,7 +9,7 @@ from typing import Any
 from django.db import models
 
 from fairqueue.jobs import live, payloads
-from fairqueue.jobs.admission import shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import flood_utilisation, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
@@ -135,6 +135,9 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "target": round(breakdown.pool_target, 3),
             "in_flight": fleet.in_flight,
             "batch_in_flight": fleet.batch_in_flight,
+            "room": fleet.pool_room(tp.shard),
+            "floor_headroom": policy.pool.floor_headroom,
+            "flood_utilisation": round(flood_utilisation(slots=fleet.slots, headroom=policy.pool.floor_headroom), 4),
         },
         "resources": resources_explain(policy),
     }

@@ -54,6 +54,7 @@ from fairqueue.jobs.admission import (
     admission_plan,
     batch_limits,
     class_level,
+    pool_room,
     tenant_key,
 )
 from fairqueue.jobs.duties import BATCH_PROMOTE_AT
@@ -264,7 +265,7 @@ class _Replay:
         held = {slug: self.model.count(tenant_key(slug)) for slug in self.tenants}
         plan = limits_plan(policy=self.policy, signals=signals, held=held, slots=slots, in_flight=in_flight + batch_in)
         self.plan = plan
-        limits = {SHARD_KEY: self.policy.shards[self.shard].capacity, BATCH_KEY: self.batch_limit(in_flight, batch_in)}
+        limits = {SHARD_KEY: self.shard_limit(), BATCH_KEY: self.batch_limit(in_flight, batch_in)}
         for slug in self.tenants:
             limits[tenant_key(slug)] = plan.limit(slug)
         woken: list[int] = []
@@ -279,6 +280,13 @@ class _Replay:
             in_flight=in_flight,
             batch_by_shard={self.shard: batch_in},
         )[self.shard]
+
+    def shard_limit(self) -> int:
+        """The shard key's limit: its capacity, capped at the pool's slots (the model's one
+        shard has them all: admission.pool_room)."""
+        room = pool_room(slots=self.config.slots, held_by_shard={}, shard=self.shard)
+        capacity = self.policy.shards[self.shard].capacity
+        return capacity if room is None else min(capacity, room)
 
     def specs(self, a: Arrival, batch_lane: bool, now: float) -> tuple[list[KeySpec], int]:
         """The job's keys as the submitting process computes them: from its own caches of
@@ -324,6 +332,7 @@ class _Replay:
                 signals=signals,
                 batch=batch_lane,
                 batch_limit=self.batch_limit(*self.fleet),
+                pool_room=pool_room(slots=self.config.slots, held_by_shard={}, shard=self.shard),
             )
             hit = cached[cache_key] = (key_specs(plan.keys), plan.priority)
         return hit

@@ -4,6 +4,7 @@ within its limits, and that nothing was left behind. Logic in fairqueue.chaos.""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,15 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from fairqueue.bench.cluster import parse_ports
-from fairqueue.chaos import DEFAULT_REDIS_URL, ChaosConfig, report_lines, run
+from fairqueue.chaos import DEFAULT_REDIS_URL, RESTARTS, ChaosConfig, report_lines, run
+
+
+def _restarts(value: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = sorted(set(names) - set(RESTARTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}: choose from {', '.join(RESTARTS)}")
+    return names
 
 
 class Command(BaseCommand):
@@ -49,6 +58,13 @@ class Command(BaseCommand):
             "--cluster-ports", type=parse_ports, help="the cluster nodes' ports, e.g. 7111-7116 (default: free ones)"
         )
         parser.add_argument(
+            "--restart",
+            dest="restarts",
+            type=_restarts,
+            help=f"dependencies to restart under load, comma-separated ({', '.join(RESTARTS)}), each on a server "
+            "of the run's own (the database on a private PostgreSQL)",
+        )
+        parser.add_argument(
             "--replication-cut-ms",
             type=float,
             help="how long before the primary's SIGKILL its replica stops receiving writes (default 500; 0: none)",
@@ -71,6 +87,7 @@ class Command(BaseCommand):
             cluster=options["cluster"] or None,
             cluster_ports=options["cluster_ports"],
             replication_cut_ms=options["replication_cut_ms"],
+            restarts=options["restarts"],
         )
         try:
             report = run(config, log=self.stdout.write)

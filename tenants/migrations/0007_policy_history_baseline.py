@@ -34,5 +34,5 @@ def unbaseline(apps, schema_editor):  # type: ignore[no-untyped-def]
 
 
 class Migration(migrations.Migration):
-    dependencies = [("tenants", "0005_policy_history")]
+    dependencies = [("tenants", "0006_policy_history")]
     operations = [migrations.RunPython(baseline, unbaseline)]

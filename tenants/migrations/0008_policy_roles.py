@@ -44,7 +44,7 @@ def roles_delete(apps, schema_editor):  # type: ignore[no-untyped-def]
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("tenants", "0006_policy_history_baseline"),
+        ("tenants", "0007_policy_history_baseline"),
         ("auth", "0012_alter_user_first_name_max_length"),
         ("contenttypes", "0002_remove_content_type_name"),
     ]
