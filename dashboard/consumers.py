@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
@@ -11,6 +12,7 @@ from dashboard import ticker
 from dashboard.snapshot import snapshot_build
 
 CLOSE_FORBIDDEN = 4403  # the page reads this code and stops reconnecting
+CLOSE_TRY_AGAIN_LATER = 1013  # the channel layer is away: the page reconnects after a pause
 
 
 class DashboardConsumer(AsyncJsonWebsocketConsumer):
@@ -23,7 +25,14 @@ class DashboardConsumer(AsyncJsonWebsocketConsumer):
             await self.accept()
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        await self.channel_layer.group_add(ticker.GROUP, self.channel_name)
+        try:
+            await self.channel_layer.group_add(ticker.GROUP, self.channel_name)
+        except (redis.RedisError, OSError):
+            # The channel layer's Redis is away (a restart): say "try again later" rather than
+            # fail the handshake with a 500; the page reconnects by itself.
+            await self.accept()
+            await self.close(code=CLOSE_TRY_AGAIN_LATER)
+            return
         await self.accept()
         await self.send_json(await database_sync_to_async(snapshot_build)())
         self.watching = True

@@ -16,9 +16,9 @@ from django.conf import settings
 from django.test import SimpleTestCase
 
 from fairqueue.bench.noisy import (
-    MODES,
     NOISY_SLUG,
     PRESETS,
+    SHORT_JOB_MODES,
     backlog_utilisation,
     mode_metrics,
     targets_check,
@@ -126,7 +126,7 @@ class BenchNoisySmokeTests(SimpleTestCase):
             png = Path(tmp) / "noisy.png"
             doc, stdout = bench_noisy_run(self, ["--smoke", "--redis-url", url, "--plot", str(png)])
             self.assertTrue(png.stat().st_size > 0)
-        self.assertEqual(set(doc["modes"]), set(MODES))
+        self.assertEqual(set(doc["modes"]), set(SHORT_JOB_MODES))
         for mode, figures in doc["modes"].items():
             self.assertTrue(set(figures) >= METRIC_KEYS, mode)
             self.assertGreater(figures["jobs"], 0, mode)

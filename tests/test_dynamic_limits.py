@@ -46,11 +46,13 @@ class PressureTests(E2EBase):
         ]
         self.register_fleet(20)  # pool target 20 * 0.85 = 17
         idle = {t.slug: tenant_limits_explain(tenant=t) for t in tenants}
-        # Saturate: 34 non-batch jobs hold slots (the admitted backlog of a burst).
+        # Saturate: 34 non-batch jobs hold slots. The pool cap admits no more than the slots
+        # there are, so they were admitted while the fleet had 40, which then shrank to 20.
+        self.register_fleet(40)
         hog, _ = make_tenant("hog", floor=34, max_concurrency=34)
         for i in range(34):
             job_submit(tenant=hog, req=JobRequest(task="demo.sleep", args={"seconds": 60}, idempotency_key=f"h{i}"))
-        live.live_invalidate()
+        self.register_fleet(20)
         busy = {t.slug: tenant_limits_explain(tenant=t) for t in tenants}
         self.assertEqual(busy["small"]["pool"]["in_flight"], 34)
         factors = {b["pressure_factor"] for b in busy.values()}
@@ -88,11 +90,13 @@ class PressureTests(E2EBase):
     def test_under_saturation_tenants_below_their_fair_share_keep_their_ceiling(self) -> None:
         small = make_tenant("small", floor=1, burst_floor=3)[0]  # ceiling 4
         medium = make_tenant("medium", floor=4, burst_pct=1.0)[0]  # ceiling 8
-        self.register_fleet(20)  # pool target 17
         hog, _ = make_tenant("hog", floor=2, burst_floor=15)  # ceiling 17
-        for i in range(34):  # a burst's admitted backlog: the pool is twice over its target
+        # The pool twice over its target: 34 jobs admitted while the fleet had 40 slots, and
+        # the fleet down to 20 since (the pool cap admits no more than the slots there are).
+        self.register_fleet(40)
+        for i in range(34):
             job_submit(tenant=hog, req=JobRequest(task="demo.sleep", args={"seconds": 60}, idempotency_key=f"h{i}"))
-        live.live_invalidate()
+        self.register_fleet(20)  # pool target 17
         limits_refresh()  # the tick: fair shares of the pool, published for every process
         explained = {t.slug: tenant_limits_explain(tenant=t) for t in (small, medium, hog)}
         self.assertEqual({e["pressure_factor"] for e in explained.values()}, {0.5})

@@ -10,6 +10,7 @@ from django.test import Client, override_settings
 
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
+from fairqueue.jobs.recovery import state_ensure
 from tenants.models import Shard, Tenant
 from tenants.policy import policy_invalidate
 from tests.base import RedisTransactionTestCase
@@ -165,6 +166,9 @@ class WorkerLossTests(E2EBase):
     def test_a_worker_killed_mid_job_still_ends_succeeded_exactly_once(self) -> None:
         _, key = _tenant("fragile")
         lease = {"FAIRQUEUE_LEASE_SECONDS": "2"}
+        # The engine's state ready before any submit: a worker's first tick that found it not
+        # ready would rebuild it under the job and admit it a second time (its timeline below).
+        state_ensure()
         with override_settings(FAIRQUEUE={**__import__("django.conf").conf.settings.FAIRQUEUE, "LEASE_SECONDS": 2.0}):
             victim = WorkerProcess(slots=1, name="victim", **lease).start()
             job = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 1.5}})

@@ -43,8 +43,14 @@ def starts(arrivals: list[Arrival], result: SimResult) -> list[tuple[float, floa
     return sorted(out, key=lambda x: x[0])
 
 
+# The intervals are rebuilt from arrival + wait (+ duration), which rounds differently from
+# the model's own clock: a job that starts the instant another ends can come out a few ulps
+# before it. Ends this close to a start count as before it.
+SAME_INSTANT = 1e-9
+
+
 def peak(intervals: list[tuple[float, float]]) -> int:
-    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    edges = sorted([(s, 1) for s, _ in intervals] + [(e - SAME_INSTANT, -1) for _, e in intervals])
     best = running = 0
     for _, step in edges:
         running += step

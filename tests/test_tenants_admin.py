@@ -150,6 +150,7 @@ class PagesTests(AdminTestCase):
                     "rate_window_seconds": "120",
                     "default_job_seconds": "2.5",
                     "batch_objective_seconds": "43200",
+                    "floor_headroom": "0",
                 },
                 "f_max",
                 2.0,
@@ -266,6 +267,7 @@ class TenantValidationTests(AdminTestCase):
             "rate_window_seconds": "300",
             "default_job_seconds": "1",
             "batch_objective_seconds": "43200",
+            "floor_headroom": "0",
         }
         response = self.client.post(reverse("admin:tenants_poolsettings_change", args=[pool.pk]), data)
         self.assert_form_error(response, "f_min", "must not exceed f_max")

@@ -244,6 +244,7 @@ class AdminPreview(RowsTestCase):
             "rate_window_seconds": "300",
             "default_job_seconds": "1.0",
             "batch_objective_seconds": "43200",
+            "floor_headroom": "0",
             "_whatif": "Preview",
             "_whatif_hours": "1",
             "_whatif_shard": "default",

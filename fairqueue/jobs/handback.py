@@ -2,12 +2,14 @@
 
 During a rolling deploy old and new workers consume the same queues. A worker that gets a
 job whose task it does not know, or whose arguments its version of the task does not
-accept, gives the delivery back before claiming it: the job stays `queued` with its slot
-held, its dispatch lease is renewed, and the same delivery is published again for another
-worker. Nothing is counted against the job (no attempt, no worker loss). Each hand-back
-waits a little longer before publishing (BACKOFF_*), so a worker that keeps drawing the
-same job does not spin on it. The wait is jittered: Redis hands a pushed message to the
-consumer that has waited longest in BRPOP, kombu renews an idle BRPOP every second, and
+accept, gives the delivery back before claiming it: it gives the job's slots back and the
+job is admitted again like a new one (at once if there is room, else it waits its turn in
+fair order), to be published for another worker. A slot stays with no job no live worker
+can run: the pool's slots are capped at the live slots (fairqueue.jobs.admission.pool_room),
+and jobs only new workers know must not fill them. Nothing is counted against the job (no
+attempt, no worker loss). Each hand-back waits a little longer before giving the slot back
+(BACKOFF_*), so a worker that keeps drawing the same job does not spin on it. The wait is
+jittered: Redis hands a pushed message to the consumer that has waited longest in BRPOP, kombu renews an idle BRPOP every second, and
 the refusing worker's free slot re-entered BRPOP the moment it took the job, so a wait of
 whole seconds published each time just as that worker's BRPOP was the oldest, and it drew
 the job again and again while a worker that could run it sat idle. Once the job has been handed back for longer than
@@ -27,13 +29,10 @@ from pydantic import ValidationError
 
 from fairqueue.jobs import cells, payloads, stats
 from fairqueue.jobs import timeline as tl
-from fairqueue.jobs.admission import class_level
-from fairqueue.jobs.broker import delivery_publish, delivery_route
-from fairqueue.jobs.dispatch import job_release_or_defer
+from fairqueue.jobs.dispatch import job_release_or_defer, jobs_admit
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine, redis_client
-from tenants.policy import policy_snapshot
 from webhooks.outbox import job_finish
 
 log = logging.getLogger("fairqueue.jobs.handback")
@@ -81,12 +80,14 @@ def hand_back(job: Job, reason: str, *, worker: str) -> str:
     )
     if not renewed:
         return "lost"  # the hold was reclaimed: the job is (or will be) re-delivered anyway
-    # Wait before publishing, longer each time: the worker that drew the job is busy with
+    # Wait before giving it back, longer each time: the worker that drew the job is busy with
     # this slot meanwhile, so another worker (one that knows the task) is likelier to take it.
     step = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** (int(count) - 1))
     time.sleep(step * random.uniform(1 - BACKOFF_JITTER, 1))
-    route = delivery_route(level=class_level(policy_snapshot(), job.latency_class), batch=job.in_batch_lane)
-    delivery_publish(job.engine_id, route)
+    # Its slots go to whoever waits for them; the job is admitted again in its turn and
+    # published then (the same generation: any copy of this delivery is one claim).
+    if job_release_or_defer(job):
+        jobs_admit([job])
     stats.count("handed_back")
     log.warning("worker %s handed job %s back (%s), %d time(s) so far", worker, job.id, reason, count)
     return "handed_back"
