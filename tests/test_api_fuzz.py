@@ -332,7 +332,7 @@ class InputHardeningTests(RedisTestCase):
             ({"limit": "NaN"}, "limit"),
             ({"limit": "inf"}, "limit"),
             ({"offset": -1}, "offset"),
-            ({"offset": 10_000_001}, "offset"),
+            ({"offset": 10_001}, "offset"),
             ({"offset": "9" * 40}, "offset"),
             ({"offset": "\x00"}, "offset"),
             ({"status": "done"}, "status"),
@@ -343,5 +343,5 @@ class InputHardeningTests(RedisTestCase):
                 self.assertEqual(payload["error"]["field"], field)
                 self.assertLess(len(payload["error"]["message"]), 500, "the error does not echo the input")
         # The edges are accepted.
-        ok = self.http.get(JOBS, {"limit": 500, "offset": 10_000_000}, HTTP_AUTHORIZATION=f"Bearer {self.key}")
+        ok = self.http.get(JOBS, {"limit": 500, "offset": 10_000}, HTTP_AUTHORIZATION=f"Bearer {self.key}")
         self.assertEqual(ok.status_code, 200, ok.content)

@@ -18,7 +18,7 @@ from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
-from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, WithJsonSchema
+from pydantic import AwareDatetime, BaseModel, ConfigDict, PlainSerializer, TypeAdapter, WithJsonSchema
 
 from fairqueue.apiserver import in_api_thread
 from fairqueue.jobs import selectors
@@ -26,7 +26,9 @@ from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.delays import MAX_DELAY
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.list_cursor import CURSOR_MAX_LENGTH
 from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
+from fairqueue.jobs.selectors import LIST_OFFSET_MAX, LIST_TOTAL_MAX
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from tenants.authentication import tenant_authenticate_cached, tenant_authenticate_nowait
 from tenants.models import Tenant
@@ -389,12 +391,27 @@ class WebhookEventOut(Schema):
     deliveries: list[WebhookDeliveryOut]
 
 
+class ListTotal(Schema):
+    value: int = Field(..., description=f"Jobs that pass the filters, counted up to {LIST_TOTAL_MAX:,}.")
+    relation: Literal["eq", "gte"] = Field(
+        ..., description="`eq`: exactly `value`; `gte`: at least `value` (the count stopped there)."
+    )
+
+
 class JobListOut(Schema):
     items: list[JobOut]
-    count: int
     limit: int
-    offset: int
-    next_offset: int | None
+    has_more: bool = Field(..., description="Whether jobs follow this page (`next` lists them).")
+    next: str | None = Field(
+        ...,
+        description="The `cursor` of the next page (null on the last one). Opaque: pass it back as is, with the "
+        "same filters. Paging by cursor neither skips nor repeats a job while jobs are submitted or change status.",
+    )
+    total: ListTotal | None = Field(None, description="Only with `total=true`.")
+    offset: int = Field(..., description="Deprecated: the `offset` asked for.")
+    next_offset: int | None = Field(
+        ..., description=f"Deprecated: the next page by offset, while it is at most {LIST_OFFSET_MAX:,}; use `next`."
+    )
 
 
 class PoolOut(Schema):
@@ -510,16 +527,53 @@ async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> HttpRespons
     return await in_api_thread(_submit_many, _tenant(request), [j.to_request() for j in payload.jobs])
 
 
+# Module-level (ruff B008): the time bounds' query parameters, with their documentation.
+SUBMITTED_SINCE = Query(None, description="Only jobs submitted at or after this time (ISO 8601 with a UTC offset).")
+SUBMITTED_BEFORE = Query(None, description="Only jobs submitted before this time (ISO 8601 with a UTC offset).")
+JobStatusName = Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
+
+
 @api.get("/jobs", response={200: JobListOut, **_errors(400, 401, 403)})
 async def list_jobs(
     request: HttpRequest,
-    status: Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
-    | None = None,
+    status: JobStatusName | None = None,
+    task: str | None = Query(None, min_length=1, max_length=100, description="Only jobs of this task."),
+    sub_tenant: str | None = Query(None, min_length=1, max_length=200, description="Only jobs of this sub-tenant."),
+    submitted_since: AwareDatetime | None = SUBMITTED_SINCE,
+    submitted_before: AwareDatetime | None = SUBMITTED_BEFORE,
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=10_000_000),
+    cursor: str | None = Query(
+        None, max_length=CURSOR_MAX_LENGTH, description="Where to start: the `next` of a previous page."
+    ),
+    total: bool = Query(
+        False, description=f"Also count the jobs that pass the filters, exactly up to {LIST_TOTAL_MAX:,}."
+    ),
+    offset: int = Query(
+        0,
+        ge=0,
+        le=LIST_OFFSET_MAX,
+        deprecated=True,
+        description=f"Deprecated: skip this many jobs (at most {LIST_OFFSET_MAX:,}; after `cursor` if given). "
+        "Page with `cursor` instead.",
+    ),
 ) -> dict[str, Any]:
-    """The calling tenant's jobs, newest first."""
-    return await in_api_thread(selectors.job_list, tenant=_tenant(request), status=status, limit=limit, offset=offset)
+    """The calling tenant's jobs, newest first, a page at a time: follow `next` while `has_more`."""
+    filters = selectors.JobListFilters(
+        status=status,
+        task=task,
+        sub_tenant=sub_tenant,
+        submitted_since=submitted_since,
+        submitted_before=submitted_before,
+    )
+    return await in_api_thread(
+        selectors.job_list,
+        tenant=_tenant(request),
+        filters=filters,
+        limit=limit,
+        cursor=cursor,
+        offset=offset,
+        with_total=total,
+    )
 
 
 @api.get("/limits", response={200: LimitsOut, **_errors(401, 403, 503)})
