@@ -75,8 +75,9 @@ def queries(tenant: Tenant) -> dict[str, QuerySet[Job]]:
 
 
 def _list_queries(tenant: Tenant, now: datetime) -> dict[str, QuerySet[Job]]:
-    """The API list's page query (selectors.job_list): each filter, from the newest and from
-    a cursor a day back, and its bounded total."""
+    """The API list's page query (selectors.job_list): each filter alone, from the newest and
+    from a cursor a day back, and the bounded total. (Filters together read the index of one
+    and test the others: docs/api.md has their cost.)"""
     cursor = ListCursor(submitted_at=now - timedelta(days=1), id=uuid.uuid4())
     page = LIST_PAGE + 1  # the list reads one row more than it answers
     filters = {
@@ -85,16 +86,15 @@ def _list_queries(tenant: Tenant, now: datetime) -> dict[str, QuerySet[Job]]:
         " by task": JobListFilters(task=SEED_TASKS[1]),
         " by sub-tenant": JobListFilters(sub_tenant=_seed_sub_tenant(SEED_SUB_TENANT_EVERY)),
         " by time range": JobListFilters(submitted_since=now - timedelta(days=2), submitted_before=now),
-        " by status and task": JobListFilters(status=JobStatus.PARKED, task=SEED_TASKS[1]),
     }
     out: dict[str, QuerySet[Job]] = {}
     for name, f in filters.items():
         rows = job_list_rows(tenant=tenant, filters=f)
         out[f"api: list{name}"] = rows[:page]
         out[f"api: list{name} from a cursor"] = jobs_after(rows, cursor)[:page]
-    # Its inner query (the count is of at most that many rows, in any order).
+    # Its inner query (the count is of at most that many rows).
     for name, f in (("", filters[""]), (" by status", filters[" by status"])):
-        rows = job_list_rows(tenant=tenant, filters=f).order_by().values("id")
+        rows = job_list_rows(tenant=tenant, filters=f).order_by("-submitted_at").values("id")
         out[f"api: list{name}, total (bounded)"] = rows[: LIST_TOTAL_MAX + 1]
     return out
 

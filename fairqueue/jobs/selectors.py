@@ -96,7 +96,9 @@ def job_list(
     found = found[:limit]
     total = None
     if with_total:
-        counted = rows.order_by()[: LIST_TOTAL_MAX + 1].count()  # in any order: whichever index reads fewest
+        # In the order the filter's index has (its last column), which PostgreSQL then walks
+        # and stops at the cap; with no order at all it may scan the table up to the cap.
+        counted = rows.order_by("-submitted_at")[: LIST_TOTAL_MAX + 1].count()
         total = {"value": min(counted, LIST_TOTAL_MAX), "relation": "eq" if counted <= LIST_TOTAL_MAX else "gte"}
     return {
         "items": [job_to_dict(j) for j in found],
