@@ -12,7 +12,7 @@ from pathlib import Path
 from django.core.management import call_command
 from django.db import connection
 
-from fairqueue.bench.joblist_bench import SIZES, TARGET_MS, TENANT
+from fairqueue.bench.joblist_bench import FILTER_INDEXES, SIZES, TARGET_MS, TENANT
 from fairqueue.jobs.models import Job
 from tests.base import RedisTransactionTestCase
 
@@ -64,8 +64,16 @@ class JobListBenchTests(RedisTransactionTestCase):
         for name in ("first page", "status=parked", "task=invoices.send", "sub_tenant=cust-big"):
             self.assertEqual(cases[name]["items"], result["limit"], name)
             self.assertTrue(cases[name]["has_more"], name)
+        write = result["write_cost"]
+        self.assertEqual((write["rows"], write["rounds"]), (quick["write_rows"], quick["write_rounds"]))
+        for key in ("insert_ms_per_1000", "insert_ms_per_1000_without", "updates_ms_per_1000", "insert_ratio"):
+            self.assertGreater(write[key], 0, key)
         # Past the quick seed's 3,000 rows: an empty page, as the API answers it.
         self.assertEqual(cases["offset=10,000 (deprecated; its cap)"]["items"], 0)
-        # The bench leaves its rows to the next run (--reuse) and nothing in Redis.
+        # The bench leaves its rows to the next run (--reuse), not the write rounds' (rolled
+        # back, the indexes they dropped with them), and nothing in Redis.
         self.assertEqual(Job.objects.filter(tenant__slug=TENANT).count(), quick["rows"])
+        with connection.cursor() as cursor:
+            found = connection.introspection.get_constraints(cursor, Job._meta.db_table)
+        self.assertLessEqual(set(FILTER_INDEXES), set(found))
         self.assertEqual(self.redis.dbsize(), 0)

@@ -1,10 +1,11 @@
 """`manage.py bench job-list`: the API's job list (`GET /api/v1/jobs`) over one tenant's
 history of a million jobs: the first page, page 1,000 reached by cursor, each filter (its
-first page and a page deep into it), the bounded total and the deprecated offset at its cap.
+first page and a page deep into it), the bounded total and the deprecated offset at its cap;
+and what the filters' indexes cost the writes of each job.
 
-The seed (ROWS jobs of the tenant `bench-list`, and OTHER_ROWS of nine other tenants mixed
-in, so one tenant's rows are spread over the table as in a shared database): statuses, tasks
-and sub-tenants in the shares of STATUSES, TASKS and SUB_TENANTS, written in bulk (COPY on
+The seed (`--rows` jobs of the tenant `bench-list`, and `--other-rows` of nine other tenants
+mixed in, so one tenant's rows are spread over the table as in a shared database): statuses,
+tasks and sub-tenants in the shares of STATUSES, TASKS and the sub-tenant constants, written in bulk (COPY on
 PostgreSQL, fairqueue.jobs.copy_insert; bulk_create elsewhere), then VACUUM ANALYZE (what
 autovacuum does within a minute of a load). The rows are submitted as they are written, one
 after another, so the time range is a slice of that order (TIME_RANGE_SHARE of the rows).
@@ -15,6 +16,11 @@ unmeasured, then `--requests` times: its P50, P99 and maximum, against TARGET_MS
 PostgreSQL, EXPLAIN ANALYZE of the case's query gives the indexes it reads and the database's
 own time. The walk to page 1,000 (`--walk-pages`) follows `next` from the first page, counting
 each page's time too, and checks that no job comes twice.
+
+The write cost: `--write-rows` new jobs of the tenant inserted in bulk, then claimed and
+finished (two UPDATEs of each row, WRITE_BATCH rows per statement, as a worker's group commit
+writes them), with the filters' indexes and with them dropped, in rolled-back transactions,
+alternating for `--write-rounds` rounds each way: the medians per 1,000 jobs and their ratio.
 
 With --database-url the run happens in a child process on that PostgreSQL database: created
 afresh and migrated, or with --reuse kept (and its seed with it, when it has the same size).
@@ -58,8 +64,22 @@ WARMUP = 5
 SEED = 43
 CHUNK = 20_000
 SIZES = {
-    "full": {"rows": 1_000_000, "other_rows": 1_000_000, "requests": 200, "walk_pages": 1000},
-    "quick": {"rows": 3_000, "other_rows": 1_000, "requests": 5, "walk_pages": 10},
+    "full": {
+        "rows": 1_000_000,
+        "other_rows": 1_000_000,
+        "requests": 200,
+        "walk_pages": 1000,
+        "write_rows": 20_000,
+        "write_rounds": 5,
+    },
+    "quick": {
+        "rows": 3_000,
+        "other_rows": 1_000,
+        "requests": 5,
+        "walk_pages": 10,
+        "write_rows": 500,
+        "write_rounds": 1,
+    },
 }
 LIMIT = 50
 # Shares of the seeded rows (each row draws one of each independently).
@@ -346,8 +366,75 @@ def _walk(api: _Api, pages: int, limit: int) -> tuple[dict[str, Any], str | None
     }, cursor
 
 
+# The indexes the list's filters added (migration 0013): what they cost each job's writes.
+FILTER_INDEXES = ("job_tenant_task", "job_tenant_sub_tenant")
+WRITE_BATCH = 100  # rows per UPDATE, as a worker's group commit claims and records them
+
+
+def _write_round(tenant: Tenant, rows: int, *, indexes: bool, rng: random.Random) -> tuple[float, float]:
+    """Insert `rows` jobs in bulk, then claim and finish them (two UPDATEs of each row, in
+    batches), with or without FILTER_INDEXES (dropped inside the transaction); all rolled
+    back. Milliseconds per 1,000 jobs: (insert, the two updates)."""
+    with transaction.atomic():
+        if not indexes:
+            with connection.cursor() as cursor:
+                for name in FILTER_INDEXES:
+                    cursor.execute(f"DROP INDEX {name}")
+        jobs = list(_rows(rng, tenant, [tenant], rows, 0))
+        started = time.perf_counter()
+        if connection.vendor == "postgresql":
+            rows_copy(Job, jobs)
+        else:
+            Job.objects.bulk_create(jobs, batch_size=2000)
+        inserted = time.perf_counter()
+        ids = [j.id for j in jobs]
+        for i in range(0, len(ids), WRITE_BATCH):
+            batch = Job.objects.filter(id__in=ids[i : i + WRITE_BATCH])
+            batch.update(status=JobStatus.RUNNING)
+            batch.update(status=JobStatus.SUCCEEDED)
+        updated = time.perf_counter()
+        transaction.set_rollback(True)
+    per_thousand = 1000 / rows
+    return (inserted - started) * 1000 * per_thousand, (updated - inserted) * 1000 * per_thousand
+
+
+def _write_cost(tenant: Tenant, rows: int, rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """_write_round with and without the filters' indexes, alternating, `rounds` times each:
+    the medians and their ratios."""
+    rng = random.Random(SEED + 1)
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(rounds):
+        for indexes in (True, False):
+            times[indexes].append(_write_round(tenant, rows, indexes=indexes, rng=rng))
+    _vacuum_analyze()  # the rolled-back rows' dead entries
+
+    def median(values: list[float]) -> float:
+        return round(sorted(values)[len(values) // 2], 2)
+
+    result = {
+        "rows": rows,
+        "rounds": rounds,
+        "insert_ms_per_1000": median([t[0] for t in times[True]]),
+        "insert_ms_per_1000_without": median([t[0] for t in times[False]]),
+        "updates_ms_per_1000": median([t[1] for t in times[True]]),
+        "updates_ms_per_1000_without": median([t[1] for t in times[False]]),
+    }
+    result["insert_ratio"] = round(result["insert_ms_per_1000"] / result["insert_ms_per_1000_without"], 3)
+    result["updates_ratio"] = round(result["updates_ms_per_1000"] / result["updates_ms_per_1000_without"], 3)
+    log(f"  {result}")
+    return result
+
+
 def run(
-    *, rows: int, other_rows: int, requests: int, walk_pages: int, limit: int, log: Callable[[str], None]
+    *,
+    rows: int,
+    other_rows: int,
+    requests: int,
+    walk_pages: int,
+    write_rows: int,
+    write_rounds: int,
+    limit: int,
+    log: Callable[[str], None],
 ) -> dict[str, Any]:
     log(f"seed: {rows:,} jobs of {TENANT}, {other_rows:,} of {OTHER_TENANTS} other tenants")
     tenant, key = _seed_if_needed(rows, other_rows, log)
@@ -376,6 +463,8 @@ def run(
     case("total=true (past its cap)", {"total": "true"})
     case("status=running&total=true", {"status": "running", "total": "true"})
     case(f"offset={OFFSET_CAP:,} (deprecated; its cap)", {"offset": OFFSET_CAP})
+    log(f"write cost of {', '.join(FILTER_INDEXES)}: {write_rows:,} jobs, {write_rounds} rounds with and without")
+    write_cost = _write_cost(tenant, write_rows, write_rounds, log)
     log(f"the seed stays for the next run (kept when it has the same size); tenants {TENANT}* hold it")
     return {
         "database": connection.vendor,
@@ -386,6 +475,7 @@ def run(
         "target_ms": TARGET_MS,
         "walk": walk,
         "cases": results,
+        "write_cost": write_cost,
         "all_met": all(r["met"] for r in results) and walk["p99_ms"] <= TARGET_MS,
         "load_average": os.getloadavg()[0],
     }
@@ -398,6 +488,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--other-rows", type=int, help="jobs of the other tenants (default as many)")
     parser.add_argument("--requests", type=int, help="measured requests per case (default 200)")
     parser.add_argument("--walk-pages", type=int, help="the page the walk by cursor reaches (default 1,000)")
+    parser.add_argument("--write-rows", type=int, help="jobs per round of the write cost (default 20,000)")
+    parser.add_argument("--write-rounds", type=int, help="rounds of the write cost, each way (default 5)")
     parser.add_argument("--limit", type=int, default=LIMIT, help=f"jobs per page (default {LIMIT})")
     parser.add_argument("--database-url", help="a PostgreSQL server URL: run on a database of that name")
     parser.add_argument("--reuse", action="store_true", help="with --database-url: keep the database and its seed")
@@ -414,8 +506,10 @@ def _sizes(options: dict[str, Any]) -> dict[str, int]:
             sizes[name] = options[name]
     if options.get("rows") is not None and options.get("other_rows") is None:
         sizes["other_rows"] = options["rows"]
-    if sizes["rows"] < 1 or sizes["other_rows"] < 0 or sizes["requests"] < 1 or sizes["walk_pages"] < 2:
-        raise RuntimeError("--rows and --requests must be at least 1, --other-rows 0, --walk-pages 2")
+    if min(sizes["rows"], sizes["requests"], sizes["write_rows"], sizes["write_rounds"]) < 1:
+        raise RuntimeError("--rows, --requests, --write-rows and --write-rounds must be at least 1")
+    if sizes["other_rows"] < 0 or sizes["walk_pages"] < 2:
+        raise RuntimeError("--other-rows must be at least 0 and --walk-pages at least 2")
     if not 1 <= options["limit"] <= 500:
         raise RuntimeError("--limit must be 1-500 (the API's own bounds)")
     return sizes
