@@ -94,7 +94,7 @@ def _list_queries(tenant: Tenant, now: datetime) -> dict[str, QuerySet[Job]]:
         out[f"api: list{name} from a cursor"] = jobs_after(rows, cursor)[:page]
     # Its inner query (the count is of at most that many rows).
     for name, f in (("", filters[""]), (" by status", filters[" by status"])):
-        rows = job_list_rows(tenant=tenant, filters=f).order_by("-submitted_at").values("id")
+        rows = job_list_rows(tenant=tenant, filters=f).order_by("-submitted_at").only("id")
         out[f"api: list{name}, total (bounded)"] = rows[: LIST_TOTAL_MAX + 1]
     return out
 
