@@ -490,9 +490,13 @@ GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, GET_LIMITS = "get_job", "cancel_job", "ge
 def _links(pointer: str, *operations: str) -> dict[str, Any]:
     """OpenAPI links from the job id at `pointer` in an answer to the operations that take
     it (a client, or a stateful test, follows them)."""
-    names = {GET_JOB: "GetJob", CANCEL_JOB: "CancelJob", GET_JOB_WEBHOOKS: "GetJobWebhooks"}
+    names = {
+        GET_JOB: ("GetJob", "This job: its status, place in line and result."),
+        CANCEL_JOB: ("CancelJob", "Cancel this job."),
+        GET_JOB_WEBHOOKS: ("GetJobWebhooks", "This job's completion events and their deliveries."),
+    }
     return {
-        names[op]: {"operationId": op, "parameters": {"job_id": pointer}, "description": f"{op} of this job."}
+        names[op][0]: {"operationId": op, "parameters": {"job_id": pointer}, "description": names[op][1]}
         for op in operations
     }
 
