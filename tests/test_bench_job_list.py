@@ -16,7 +16,7 @@ from fairqueue.bench.joblist_bench import FILTER_INDEXES, SIZES, TARGET_MS, TENA
 from fairqueue.jobs.models import Job
 from tests.base import RedisTransactionTestCase
 
-CASE_KEYS = {"name", "params", "p50_ms", "p99_ms", "max_ms", "items", "has_more", "statements", "met"}
+CASE_KEYS = {"name", "params", "p50_ms", "p99_ms", "max_ms", "items", "has_more", "statements", "met", "in_target"}
 
 
 class JobListBenchTests(RedisTransactionTestCase):
@@ -61,6 +61,20 @@ class JobListBenchTests(RedisTransactionTestCase):
                     # (explain_queries checks the plans, tests/test_query_plans.py).
                     self.assertIn("indexes", case)
                     self.assertGreater(case["db_ms"], 0)
+        # The target: the first page, page 1,000 and each filter alone; the rest beside it
+        # (a deep page only where the quick seed has rows for one).
+        beside = {c["name"] for c in result["cases"] if not c["in_target"]}
+        combined = ("status=failed&task=reports.build", "status=parked&sub_tenant=cust-7")
+        self.assertLessEqual(
+            {
+                "total=true (past its cap)",
+                "status=running&total=true",
+                "offset=10,000 (deprecated; its cap)",
+                *combined,
+            },
+            beside,
+        )
+        self.assertTrue(all(name.startswith(combined) or "total" in name or "offset" in name for name in beside))
         for name in ("first page", "status=parked", "task=invoices.send", "sub_tenant=cust-big"):
             self.assertEqual(cases[name]["items"], result["limit"], name)
             self.assertTrue(cases[name]["has_more"], name)

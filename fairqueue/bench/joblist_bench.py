@@ -15,7 +15,9 @@ view: authentication, validation, the selector, the JSON answer; no socket), WAR
 unmeasured, then `--requests` times: its P50, P99 and maximum, against TARGET_MS. On
 PostgreSQL, EXPLAIN ANALYZE of the case's query gives the indexes it reads and the database's
 own time. The walk to page 1,000 (`--walk-pages`) follows `next` from the first page, counting
-each page's time too, and checks that no job comes twice.
+each page's time too, and checks that no job comes twice. `all_met`: every case of the
+target (the first page, page 1,000, each filter alone, first and deep) has a P99 within it;
+the combinations of two filters, the bounded total and the offset are measured beside them.
 
 The write cost: `--write-rows` new jobs of the tenant inserted in bulk, then claimed and
 finished (two UPDATEs of each row, WRITE_BATCH rows per statement, as a worker's group commit
@@ -441,11 +443,12 @@ def run(
     api = _Api(key)
     results = []
 
-    def case(name: str, params: dict[str, Any]) -> None:
+    def case(name: str, params: dict[str, Any], *, in_target: bool = True) -> None:
         asked = {"limit": limit, **params}
         measured = _measure(api, asked, requests)
         result = {"name": name, "params": params, **measured, **_plans(tenant, asked)}
         result["met"] = result["p99_ms"] <= TARGET_MS
+        result["in_target"] = in_target
         log(f"  {name}: P99 {result['p99_ms']} ms, {result.get('indexes', '')} {result.get('db_ms', '')}")
         results.append(result)
 
@@ -456,13 +459,15 @@ def run(
     if cursor is not None:
         case(f"page {walk_pages:,} by cursor", {"cursor": cursor})
     for name, params in _cases(tenant):
-        case(name, params)
+        single = len(params) == 1 or "submitted_since" in params  # one filter (a range is one)
+        case(name, params, in_target=single)
         deep = _deep_cursor(job_list_rows(tenant=tenant, filters=_filters(params)))
         if deep is not None:
-            case(f"{name}, deep page by cursor", {**params, "cursor": deep})
-    case("total=true (past its cap)", {"total": "true"})
-    case("status=running&total=true", {"status": "running", "total": "true"})
-    case(f"offset={OFFSET_CAP:,} (deprecated; its cap)", {"offset": OFFSET_CAP})
+            case(f"{name}, deep page by cursor", {**params, "cursor": deep}, in_target=single)
+    # Beyond the target (first page, page 1,000, each filter), measured all the same.
+    case("total=true (past its cap)", {"total": "true"}, in_target=False)
+    case("status=running&total=true", {"status": "running", "total": "true"}, in_target=False)
+    case(f"offset={OFFSET_CAP:,} (deprecated; its cap)", {"offset": OFFSET_CAP}, in_target=False)
     log(f"write cost of {', '.join(FILTER_INDEXES)}: {write_rows:,} jobs, {write_rounds} rounds with and without")
     write_cost = _write_cost(tenant, write_rows, write_rounds, log)
     log(f"the seed stays for the next run (kept when it has the same size); tenants {TENANT}* hold it")
@@ -476,7 +481,8 @@ def run(
         "walk": walk,
         "cases": results,
         "write_cost": write_cost,
-        "all_met": all(r["met"] for r in results) and walk["p99_ms"] <= TARGET_MS,
+        # The target's cases: the first page, page `walk_pages` and each filter alone.
+        "all_met": all(r["met"] for r in results if r["in_target"]),
         "load_average": os.getloadavg()[0],
     }
 
