@@ -3,8 +3,9 @@
 Runs in-process on the WSGI application with a valid tenant key and a bounded,
 derandomized number of examples per operation (positive and negative), so the run is
 reproducible and takes seconds. Generated cases are steered part of the time towards
-inputs the schema cannot express (registered task names, valid arguments, ids of jobs
-that exist, including another tenant's) so the fuzzing reaches past the first 400/404.
+inputs the schema cannot express (ids of jobs that exist, including another tenant's) and
+towards the plainest jobs, so the fuzzing reaches past the first 400/404. (The schema lists
+the registered tasks and their arguments: tests/test_api_schema_live.py runs every check.)
 """
 
 from __future__ import annotations
@@ -332,7 +333,7 @@ class InputHardeningTests(RedisTestCase):
             ({"limit": "NaN"}, "limit"),
             ({"limit": "inf"}, "limit"),
             ({"offset": -1}, "offset"),
-            ({"offset": 10_000_001}, "offset"),
+            ({"offset": 10_001}, "offset"),
             ({"offset": "9" * 40}, "offset"),
             ({"offset": "\x00"}, "offset"),
             ({"status": "done"}, "status"),
@@ -343,5 +344,5 @@ class InputHardeningTests(RedisTestCase):
                 self.assertEqual(payload["error"]["field"], field)
                 self.assertLess(len(payload["error"]["message"]), 500, "the error does not echo the input")
         # The edges are accepted.
-        ok = self.http.get(JOBS, {"limit": 500, "offset": 10_000_000}, HTTP_AUTHORIZATION=f"Bearer {self.key}")
+        ok = self.http.get(JOBS, {"limit": 500, "offset": 10_000}, HTTP_AUTHORIZATION=f"Bearer {self.key}")
         self.assertEqual(ok.status_code, 200, ok.content)

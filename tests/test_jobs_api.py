@@ -434,13 +434,13 @@ class ParkedTests(ApiTestCase):
         self.assert_error(self.post(f"{JOBS}/{second['id']}/cancel"), 409, "not_cancellable", None)
 
     def test_status_filter(self) -> None:
-        parked = self.get(JOBS, {"status": "parked"}).json()
-        self.assertEqual(parked["count"], 2)
+        parked = self.get(JOBS, {"status": "parked", "total": "true"}).json()
+        self.assertEqual(parked["total"], {"value": 2, "relation": "eq"})
         self.assertEqual({j["id"] for j in parked["items"]}, {self.jobs[1]["id"], self.jobs[2]["id"]})
         self.assertTrue(all(j["status"] == "parked" for j in parked["items"]))
         queued = self.get(JOBS, {"status": "queued"}).json()
         self.assertEqual([j["id"] for j in queued["items"]], [self.jobs[0]["id"]])
-        self.assertEqual(self.get(JOBS, {"status": "succeeded"}).json()["count"], 0)
+        self.assertEqual(self.get(JOBS, {"status": "succeeded"}).json()["items"], [])
 
 
 class BulkTests(ApiTestCase):
@@ -480,7 +480,7 @@ class BulkTests(ApiTestCase):
                 jobs[3] = bad
                 self.assert_error(self.post(BULK, {"jobs": jobs}), 400, code, field)
                 self.assertEqual(Job.objects.count(), 0)
-                self.assertEqual(self.get(JOBS).json()["count"], 0)
+                self.assertEqual(self.get(JOBS).json()["items"], [])
 
     def test_bulk_schema_errors_name_the_job_like_service_errors(self) -> None:
         jobs = [sleep_job() for _ in range(6)]
@@ -528,24 +528,36 @@ class ReadTests(ApiTestCase):
     def test_pagination(self) -> None:
         ids = [self.submit()["id"] for _ in range(5)]
         page = self.get(JOBS, {"limit": 2}).json()
-        self.assertEqual(set(page), {"items", "count", "limit", "offset", "next_offset"})
-        self.assertEqual((page["count"], page["limit"], page["offset"], page["next_offset"]), (5, 2, 0, 2))
+        self.assertEqual(set(page), {"items", "limit", "has_more", "next", "total", "offset", "next_offset"})
+        self.assertEqual((page["limit"], page["has_more"], page["total"]), (2, True, None))
+        seen: list[str] = []
+        cursor: str | None = None
+        while True:
+            page = self.get(JOBS, {"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+            self.assertLessEqual(len(page["items"]), 2)
+            seen += [j["id"] for j in page["items"]]
+            if not page["has_more"]:
+                self.assertIsNone(page["next"])
+                break
+            cursor = page["next"]
+        self.assertEqual(seen, list(reversed(ids)), "newest first, each job exactly once")
+        default = self.get(JOBS).json()
+        self.assertEqual((default["limit"], default["has_more"], len(default["items"])), (50, False, 5))
+
+    def test_deprecated_offset_pages(self) -> None:
+        ids = [self.submit()["id"] for _ in range(5)]
         seen: list[str] = []
         offset: int | None = 0
         while offset is not None:
             page = self.get(JOBS, {"limit": 2, "offset": offset}).json()
-            self.assertEqual(page["count"], 5)
-            self.assertLessEqual(len(page["items"]), 2)
+            self.assertEqual(page["offset"], offset)
             seen += [j["id"] for j in page["items"]]
             offset = page["next_offset"]
-        self.assertEqual(seen, list(reversed(ids)), "newest first, each job exactly once")
+        self.assertEqual(seen, list(reversed(ids)))
         last = self.get(JOBS, {"limit": 2, "offset": 4}).json()
-        self.assertEqual(len(last["items"]), 1)
-        self.assertIsNone(last["next_offset"])
+        self.assertEqual((len(last["items"]), last["has_more"], last["next_offset"]), (1, False, None))
         beyond = self.get(JOBS, {"offset": 100}).json()
-        self.assertEqual((beyond["items"], beyond["count"], beyond["next_offset"]), ([], 5, None))
-        default = self.get(JOBS).json()
-        self.assertEqual((default["limit"], default["offset"], len(default["items"])), (50, 0, 5))
+        self.assertEqual((beyond["items"], beyond["has_more"], beyond["next_offset"]), ([], False, None))
 
     def test_invalid_list_parameters(self) -> None:
         for params, field in (
@@ -554,6 +566,12 @@ class ReadTests(ApiTestCase):
             ({"limit": 501}, "limit"),
             ({"limit": "ten"}, "limit"),
             ({"offset": -1}, "offset"),
+            ({"offset": 10_001}, "offset"),
+            ({"submitted_since": "2030-01-01T00:00:00"}, "submitted_since"),  # no UTC offset
+            ({"submitted_before": "yesterday"}, "submitted_before"),
+            ({"task": "x" * 101}, "task"),
+            ({"sub_tenant": "x" * 201}, "sub_tenant"),
+            ({"total": "maybe"}, "total"),
         ):
             with self.subTest(params=params):
                 self.assert_error(self.get(JOBS, params), 400, "invalid_request", field)
@@ -565,9 +583,9 @@ class ReadTests(ApiTestCase):
         self.assert_error(self.get(f"{JOBS}/{mine['id']}", key=other_key), 404, "not_found", None)
         self.assert_error(self.post(f"{JOBS}/{mine['id']}/cancel", key=other_key), 404, "not_found", None)
         self.assertNotEqual(Job.objects.get(id=mine["id"]).status, JobStatus.CANCELLED)
-        listing = self.get(JOBS, key=other_key).json()
+        listing = self.get(JOBS, {"total": "true"}, key=other_key).json()
         self.assertEqual([j["id"] for j in listing["items"]], [theirs["id"]])
-        self.assertEqual(listing["count"], 1)
+        self.assertEqual(listing["total"], {"value": 1, "relation": "eq"})
         for status in ("queued", "parked"):
             other = self.get(JOBS, {"status": status}, key=other_key).json()
             self.assertNotIn(mine["id"], [j["id"] for j in other["items"]])

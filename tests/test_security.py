@@ -134,7 +134,7 @@ class TenantIsolationTests(RedisTestCase):
         a_ids = set(self.a_jobs.values())
         for status in [None, *ALL_STATUSES]:
             for limit, offset in ((500, 0), (1, 0), (1, 1), (2, 100)):
-                params: dict[str, Any] = {"limit": limit, "offset": offset}
+                params: dict[str, Any] = {"limit": limit, "offset": offset, "total": "true"}
                 if status:
                     params["status"] = status
                 with self.subTest(params=params):
@@ -144,9 +144,31 @@ class TenantIsolationTests(RedisTestCase):
                     ids = {item["id"] for item in page["items"]}
                     self.assertFalse(ids & a_ids)
                     self.assertLessEqual(ids, {self.b_job})
-                    self.assertEqual(page["count"], 1 if status in (None, "queued") else 0)
+                    self.assertEqual(page["total"]["value"], 1 if status in (None, "queued") else 0)
         everything = self.http.get(JOBS, {"limit": 500}, **self.auth(self.a_key)).json()
         self.assertEqual({item["id"] for item in everything["items"]}, a_ids)
+
+    def test_list_filters_and_cursors_never_reach_another_tenants_jobs(self) -> None:
+        a_ids = set(self.a_jobs.values())
+        # A's own cursors, from every place in A's list, and filters A's jobs all match.
+        a_cursors = []
+        page = self.http.get(JOBS, {"limit": 1}, **self.auth(self.a_key)).json()
+        while page["next"]:
+            a_cursors.append(page["next"])
+            page = self.http.get(JOBS, {"limit": 1, "cursor": page["next"]}, **self.auth(self.a_key)).json()
+        self.assertEqual(len(a_cursors), len(a_ids) - 1)
+        for params in (
+            {"task": "demo.sleep"},
+            {"submitted_since": "2000-01-01T00:00:00Z"},
+            {"submitted_before": "2999-01-01T00:00:00Z"},
+            *({"cursor": cursor} for cursor in a_cursors),
+        ):
+            with self.subTest(params=params):
+                page = self.http.get(JOBS, {**params, "total": "true"}, **self.auth(self.b_key)).json()
+                ids = {item["id"] for item in page["items"]}
+                self.assertFalse(ids & a_ids)
+                self.assertLessEqual(ids, {self.b_job})
+                self.assertLessEqual(page["total"]["value"], 1)
 
     def test_limits_show_only_the_callers_tenant(self) -> None:
         b = self.http.get("/api/v1/limits", **self.auth(self.b_key)).json()

@@ -14,20 +14,23 @@ from django.core.exceptions import RequestDataTooBig
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import InterfaceError, OperationalError
 from django.http import HttpRequest, HttpResponse
-from ninja import Field, NinjaAPI, Query, Schema, Swagger
+from ninja import Field, Query, Schema, Swagger
 from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
-from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, WithJsonSchema
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, PlainSerializer, TypeAdapter, WithJsonSchema
 
 from fairqueue.apiserver import in_api_thread
 from fairqueue.jobs import selectors
+from fairqueue.jobs.api_schema import TaskAwareNinjaAPI
 from fairqueue.jobs.cancellation import job_cancel
 from fairqueue.jobs.delays import MAX_DELAY
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
+from fairqueue.jobs.list_cursor import CURSOR_MAX_LENGTH
 from fairqueue.jobs.retry_policy import MAX_ATTEMPTS_LIMIT
+from fairqueue.jobs.selectors import LIST_OFFSET_MAX, LIST_TOTAL_MAX
 from fairqueue.jobs.submission import IDEMPOTENCY_MAX, MAX_RESOURCES_PER_JOB, JobRequest, job_submit, job_submit_bulk
 from fairqueue.jobs.unavailable import DATABASE_RETRY_AFTER_SECONDS, DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_MESSAGE
 from tenants.authentication import tenant_authenticate_cached, tenant_authenticate_nowait
@@ -115,7 +118,8 @@ class TenantKeyAuth(HttpBearer):
         return await in_api_thread(_tenant_of_key, token)
 
 
-api = NinjaAPI(
+api = TaskAwareNinjaAPI(
+    submit_model="JobIn",  # the generic body below, described per registered task in the document
     title="FairQueue API",
     version="1",
     urls_namespace="api-v1",
@@ -235,9 +239,18 @@ class JobIn(BaseModel):
 
     task: str = Field(..., min_length=1, max_length=100)
     args: dict[str, Any] = Field(default_factory=dict)
-    sub_tenant: str | None = Field(None, max_length=200)
-    priority: str | None = Field(None, max_length=32, description="Latency class name.")
-    batch: bool = False
+    sub_tenant: str | None = Field(
+        None,
+        max_length=200,
+        description="Your own end-customer's id (printable ASCII, no spaces): throttled on its own.",
+        json_schema_extra={"pattern": "^[!-~]*$"},  # submission.SUB_TENANT_RE; "" is none
+    )
+    priority: str | None = Field(
+        None, max_length=32, description='Latency class name; none (or "") for the tenant\'s default class.'
+    )
+    batch: bool = Field(
+        False, description="Run in the batch lane (idle capacity only); only for a tenant opted into it."
+    )
     idempotency_key: str | None = Field(None, min_length=1, max_length=IDEMPOTENCY_MAX)
     timeout_seconds: float | None = Field(
         None,
@@ -253,7 +266,9 @@ class JobIn(BaseModel):
         min_length=1,
         max_length=2000,
         description="Where to POST this job's signed completion event (else the tenant's webhook URL, if any). "
-        "A public http(s) URL; private, loopback and link-local addresses are refused.",
+        "A public http(s) URL whose host resolves (checked at submit); private, loopback and link-local addresses "
+        "are refused, and the tenant needs a webhook signing secret.",
+        json_schema_extra={"format": "uri"},
     )
     resources: list[str] = Field(
         default_factory=list,
@@ -401,12 +416,27 @@ class WebhookEventOut(Schema):
     deliveries: list[WebhookDeliveryOut]
 
 
+class ListTotal(Schema):
+    value: int = Field(..., description=f"Jobs that pass the filters, counted up to {LIST_TOTAL_MAX:,}.")
+    relation: Literal["eq", "gte"] = Field(
+        ..., description="`eq`: exactly `value`; `gte`: at least `value` (the count stopped there)."
+    )
+
+
 class JobListOut(Schema):
     items: list[JobOut]
-    count: int
     limit: int
-    offset: int
-    next_offset: int | None
+    has_more: bool = Field(..., description="Whether jobs follow this page (`next` lists them).")
+    next: str | None = Field(
+        ...,
+        description="The `cursor` of the next page (null on the last one). Opaque: pass it back as is, with the "
+        "same filters. Paging by cursor neither skips nor repeats a job while jobs are submitted or change status.",
+    )
+    total: ListTotal | None = Field(None, description="Only with `total=true`.")
+    offset: int = Field(..., description="Deprecated: the `offset` asked for.")
+    next_offset: int | None = Field(
+        ..., description=f"Deprecated: the next page by offset, while it is at most {LIST_OFFSET_MAX:,}; use `next`."
+    )
 
 
 class PoolOut(Schema):
@@ -473,6 +503,29 @@ def _errors(*statuses: int) -> dict[int, type[ErrorOut]]:
     return dict.fromkeys(statuses, ErrorOut)
 
 
+# Operation ids: the names a generated client gives its functions, and what links point at.
+SUBMIT_JOB, SUBMIT_JOBS_BULK, LIST_JOBS = "submit_job", "submit_jobs_bulk", "list_jobs"
+GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, GET_LIMITS = "get_job", "cancel_job", "get_job_webhooks", "get_limits"
+
+
+def _links(pointer: str, *operations: str) -> dict[str, Any]:
+    """OpenAPI links from the job id at `pointer` in an answer to the operations that take
+    it (a client, or a stateful test, follows them)."""
+    names = {
+        GET_JOB: ("GetJob", "This job: its status, place in line and result."),
+        CANCEL_JOB: ("CancelJob", "Cancel this job."),
+        GET_JOB_WEBHOOKS: ("GetJobWebhooks", "This job's completion events and their deliveries."),
+    }
+    return {
+        names[op][0]: {"operationId": op, "parameters": {"job_id": pointer}, "description": names[op][1]}
+        for op in operations
+    }
+
+
+_ID = "$response.body#/id"
+_JOB_LINKS = _links(_ID, GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)
+
+
 def _tenant(request: HttpRequest) -> Tenant:
     return request.auth  # type: ignore[attr-defined,no-any-return]
 
@@ -519,48 +572,128 @@ def _job_cancel(tenant: Tenant, job_id: str) -> dict[str, Any]:
     return selectors.job_to_dict(job_cancel(job=job))
 
 
-@api.post("/jobs", response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)})
+@api.post(
+    "/jobs",
+    response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)},
+    operation_id=SUBMIT_JOB,
+    openapi_extra={"responses": {200: {"links": _JOB_LINKS}, 202: {"links": _JOB_LINKS}}},
+)
 async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
     """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
     return await in_api_thread(_submit_one, _tenant(request), payload.to_request())
 
 
-@api.post("/jobs/bulk", response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)})
+@api.post(
+    "/jobs/bulk",
+    response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)},
+    operation_id=SUBMIT_JOBS_BULK,
+    # The first job's id (a bulk answers its jobs in the order submitted).
+    openapi_extra={
+        "responses": {202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)}}
+    },
+)
 async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> HttpResponse:
     """Submit up to 1,000 jobs at once; all are validated before any is written."""
     return await in_api_thread(_submit_many, _tenant(request), [j.to_request() for j in payload.jobs])
 
 
-@api.get("/jobs", response={200: JobListOut, **_errors(400, 401, 403)})
+# An RFC 3339 time, as OpenAPI's `date-time` says: pydantic alone would also take a number
+# (seconds since the epoch) or a space for the T.
+_RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+
+
+def _rfc3339(value: Any) -> Any:
+    if isinstance(value, str) and not _RFC3339.match(value):
+        raise ValueError("expected an RFC 3339 time with a UTC offset, such as 2030-01-31T09:00:00Z")
+    return value
+
+
+Rfc3339Time = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
+# Module-level (ruff B008): the time bounds' query parameters, with their documentation.
+SUBMITTED_SINCE = Query(None, description="Only jobs submitted at or after this time (RFC 3339, with a UTC offset).")
+SUBMITTED_BEFORE = Query(None, description="Only jobs submitted before this time (RFC 3339, with a UTC offset).")
+JobStatusName = Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
+
+
+@api.get(
+    "/jobs",
+    response={200: JobListOut, **_errors(400, 401, 403)},
+    operation_id=LIST_JOBS,
+)
 async def list_jobs(
     request: HttpRequest,
-    status: Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
-    | None = None,
+    status: JobStatusName | None = None,
+    task: str | None = Query(None, min_length=1, max_length=100, description="Only jobs of this task."),
+    sub_tenant: str | None = Query(None, min_length=1, max_length=200, description="Only jobs of this sub-tenant."),
+    submitted_since: Rfc3339Time | None = SUBMITTED_SINCE,
+    submitted_before: Rfc3339Time | None = SUBMITTED_BEFORE,
     limit: int = Query(50, ge=1, le=500),
-    offset: int = Query(0, ge=0, le=10_000_000),
+    cursor: str | None = Query(
+        None, max_length=CURSOR_MAX_LENGTH, description="Where to start: the `next` of a previous page."
+    ),
+    total: bool = Query(
+        False, description=f"Also count the jobs that pass the filters, exactly up to {LIST_TOTAL_MAX:,}."
+    ),
+    offset: int = Query(
+        0,
+        ge=0,
+        le=LIST_OFFSET_MAX,
+        deprecated=True,
+        description=f"Deprecated: skip this many jobs (at most {LIST_OFFSET_MAX:,}; after `cursor` if given). "
+        "Page with `cursor` instead.",
+    ),
 ) -> dict[str, Any]:
-    """The calling tenant's jobs, newest first."""
-    return await in_api_thread(selectors.job_list, tenant=_tenant(request), status=status, limit=limit, offset=offset)
+    """The calling tenant's jobs, newest first, a page at a time: follow `next` while `has_more`."""
+    filters = selectors.JobListFilters(
+        status=status,
+        task=task,
+        sub_tenant=sub_tenant,
+        submitted_since=submitted_since,
+        submitted_before=submitted_before,
+    )
+    return await in_api_thread(
+        selectors.job_list,
+        tenant=_tenant(request),
+        filters=filters,
+        limit=limit,
+        cursor=cursor,
+        offset=offset,
+        with_total=total,
+    )
 
 
-@api.get("/limits", response={200: LimitsOut, **_errors(401, 403, 503)})
+@api.get("/limits", response={200: LimitsOut, **_errors(401, 403, 503)}, operation_id=GET_LIMITS)
 async def get_limits(request: HttpRequest) -> dict[str, Any]:
     """The calling tenant's limit, term by term (floor, base, ceiling, pressure), and its load."""
     return await in_api_thread(selectors.tenant_limits_explain, tenant=_tenant(request))
 
 
-@api.get("/jobs/{job_id}", response={200: JobOut, **_errors(401, 403, 404, 503)})
+@api.get(
+    "/jobs/{job_id}",
+    response={200: JobOut, **_errors(401, 403, 404, 503)},
+    operation_id=GET_JOB,
+    openapi_extra={"responses": {200: {"links": _links(_ID, CANCEL_JOB, GET_JOB_WEBHOOKS)}}},
+)
 async def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     return await in_api_thread(_job_with_eta, _tenant(request), job_id)
 
 
-@api.get("/jobs/{job_id}/webhooks", response={200: list[WebhookEventOut], **_errors(401, 403, 404)})
+@api.get(
+    "/jobs/{job_id}/webhooks",
+    response={200: list[WebhookEventOut], **_errors(401, 403, 404)},
+    operation_id=GET_JOB_WEBHOOKS,
+)
 async def get_job_webhooks(request: HttpRequest, job_id: str) -> list[dict[str, Any]]:
     """The job's completion events and every attempt to deliver them (README, "Webhooks")."""
     return await in_api_thread(_job_webhooks, _tenant(request), job_id)
 
 
-@api.post("/jobs/{job_id}/cancel", response={200: JobOut, **_errors(401, 403, 404, 409, 503)})
+@api.post(
+    "/jobs/{job_id}/cancel",
+    response={200: JobOut, **_errors(401, 403, 404, 409, 503)},
+    operation_id=CANCEL_JOB,
+    openapi_extra={"responses": {200: {"links": _links(_ID, GET_JOB, GET_JOB_WEBHOOKS)}}},
+)
 async def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     return await in_api_thread(_job_cancel, _tenant(request), job_id)
 

@@ -50,7 +50,13 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
 class CallArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(max_length=500)
+    url: str = Field(
+        max_length=500,
+        # What _loopback_only accepts, as the OpenAPI document says it (the scheme and host in any case).
+        json_schema_extra={
+            "pattern": r"^[Hh][Tt][Tt][Pp]://(127\.0\.0\.1|[Ll][Oo][Cc][Aa][Ll][Hh][Oo][Ss][Tt]|\[::1\])(:[0-9]{1,5})?([/?#].*)?$"
+        },
+    )
     resource: str = Field(min_length=1, max_length=63, description="The resource to back off from on a 429.")
     timeout: float = Field(default=30.0, gt=0, le=300)
 

@@ -4,17 +4,18 @@ During a rolling deploy old and new workers consume the same queues. A worker th
 job whose task it does not know, or whose arguments its version of the task does not
 accept, gives the delivery back before claiming it: it gives the job's slots back and the
 job is admitted again like a new one (at once if there is room, else it waits its turn in
-fair order), to be published for another worker. A slot stays with no job no live worker
-can run: the pool's slots are capped at the live slots (fairqueue.jobs.admission.pool_room),
-and jobs only new workers know must not fill them. Nothing is counted against the job (no
-attempt, no worker loss). Each hand-back waits a little longer before giving the slot back
-(BACKOFF_*), so a worker that keeps drawing the same job does not spin on it. The wait is
-jittered: Redis hands a pushed message to the consumer that has waited longest in BRPOP, kombu renews an idle BRPOP every second, and
+fair order), to be published for another worker. No slot is held by a job that no live
+worker can run: the pool's slots are capped at the live slots
+(fairqueue.jobs.admission.pool_room), and jobs only new workers know must not fill them.
+Nothing is counted against the job (no attempt, no worker loss). Each hand-back waits a
+little longer before giving the slot back (BACKOFF_*), so a worker that keeps drawing the
+same job does not spin on it. The wait is jittered: Redis hands a pushed message to the
+consumer that has waited longest in BRPOP, kombu renews an idle BRPOP every second, and
 the refusing worker's free slot re-entered BRPOP the moment it took the job, so a wait of
 whole seconds published each time just as that worker's BRPOP was the oldest, and it drew
-the job again and again while a worker that could run it sat idle. Once the job has been handed back for longer than
-`FAIRQUEUE_HANDBACK_SECONDS` since the first time, it ends `failed` with
-`error_reason = "unknown_task"` and its slots are released.
+the job again and again while a worker that could run it sat idle. Once the job has been
+handed back for longer than `FAIRQUEUE_HANDBACK_SECONDS` since the first time, it ends
+`failed` with `error_reason = "unknown_task"` and its slots are released.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ PRUNABLE = models.Q(status__in=sorted(TERMINAL_STATUSES), release_pending=False)
 RECONCILED = models.Q(status__in=[JobStatus.PARKED, JobStatus.RUNNING]) | models.Q(
     status=JobStatus.QUEUED, admitted_at__isnull=False
 )  # recovery.reconcile's candidates
+SUB_TENANT_SET = ~models.Q(sub_tenant="")  # selectors.job_list_rows by sub-tenant
 # When a waiting job started to wait: its due time if it was delayed or retried, else its
 # submit time (the SLO age; batch promotion; the rebuild's order).
 WAITING_SINCE = Coalesce("due_at", "submitted_at")
@@ -184,8 +185,17 @@ class Job(models.Model):
             models.Index(WAITING_SINCE, condition=BATCH_DUE, name="job_batch_waiting"),
             models.Index(fields=["submitted_at", "id"], condition=RECONCILED, name="job_reconciled"),
             models.Index(fields=["finished_at", "id"], condition=PRUNABLE, name="job_prunable"),
-            # The API's list: a tenant's jobs, newest first.
+            # The API's list: a tenant's jobs, newest first (and its time range); by status
+            # through the first index above; by task and by sub-tenant through these two, the
+            # latter only over rows that name one, so a tenant without sub-tenants pays
+            # nothing for it (selectors.job_list_rows; explain_queries checks each).
             models.Index(fields=["tenant", "submitted_at", "id"], name="job_tenant_submitted"),
+            models.Index(fields=["tenant", "task", "submitted_at", "id"], name="job_tenant_task"),
+            models.Index(
+                fields=["tenant", "sub_tenant", "submitted_at", "id"],
+                condition=SUB_TENANT_SET,
+                name="job_tenant_sub_tenant",
+            ),
             # The admin's filter by reason. The name is the one the field's own index had
             # (migration 0012 keeps that index and drops only its LIKE twin on PostgreSQL).
             models.Index(fields=["error_reason"], name=ERROR_REASON_INDEX),

@@ -9,20 +9,29 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import connection
 from django.db.models import QuerySet
 from django.utils import timezone
 
 from fairqueue.jobs.due import DUE_BATCH, due_rows
+from fairqueue.jobs.list_cursor import ListCursor, jobs_after
 from fairqueue.jobs.models import ADMISSION_PENDING, BATCH_DUE, RECONCILED, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.recovery import RECONCILE_ROWS_PER_TICK, RELEASES_PER_TICK, reconcile_after
 from fairqueue.jobs.retention import prunable_jobs
+from fairqueue.jobs.selectors import LIST_TOTAL_MAX, JobListFilters, job_list_rows
 from tenants.models import Tenant
 
 MAX_MS = 20.0
 DEFERRED_EVERY = 100  # seeded rows: one finished row in this many is delayed or retrying instead
+# Seeded rows: one in SEED_TASK_EVERY of the second task, one in SEED_SUB_TENANT_EVERY of a
+# sub-tenant (of SEED_SUB_TENANTS), for the API list's filters.
+SEED_TASKS = ("demo.noop", "demo.sleep")
+SEED_TASK_EVERY = 10
+SEED_SUB_TENANT_EVERY = 7
+SEED_SUB_TENANTS = 50
+LIST_PAGE = 50  # the API list's default page
 
 
 @dataclass(frozen=True)
@@ -61,11 +70,33 @@ def queries(tenant: Tenant) -> dict[str, QuerySet[Job]]:
         "tick: releases pending": Job.objects.filter(release_pending=True).order_by("finished_at")[:RELEASES_PER_TICK],
         "tick: cells audit": Job.objects.filter(id__in=some_ids, status__in=waiting),
         "retention batch": prunable_jobs(cutoff=now - timedelta(days=30)).order_by("finished_at", "id")[:500],
-        "api: list": Job.objects.filter(tenant=tenant).order_by("-submitted_at", "-id")[:50],
-        "api: list by status": Job.objects.filter(tenant=tenant, status=JobStatus.PARKED).order_by(
-            "-submitted_at", "-id"
-        )[:50],
+        **_list_queries(tenant, now),
     }
+
+
+def _list_queries(tenant: Tenant, now: datetime) -> dict[str, QuerySet[Job]]:
+    """The API list's page query (selectors.job_list): each filter alone, from the newest and
+    from a cursor a day back, and the bounded total. (Filters together read the index of one
+    and test the others: docs/api.md has their cost.)"""
+    cursor = ListCursor(submitted_at=now - timedelta(days=1), id=uuid.uuid4())
+    page = LIST_PAGE + 1  # the list reads one row more than it answers
+    filters = {
+        "": JobListFilters(),
+        " by status": JobListFilters(status=JobStatus.PARKED),
+        " by task": JobListFilters(task=SEED_TASKS[1]),
+        " by sub-tenant": JobListFilters(sub_tenant=_seed_sub_tenant(SEED_SUB_TENANT_EVERY)),
+        " by time range": JobListFilters(submitted_since=now - timedelta(days=2), submitted_before=now),
+    }
+    out: dict[str, QuerySet[Job]] = {}
+    for name, f in filters.items():
+        rows = job_list_rows(tenant=tenant, filters=f)
+        out[f"api: list{name}"] = rows[:page]
+        out[f"api: list{name} from a cursor"] = jobs_after(rows, cursor)[:page]
+    # Its inner query (the count is of at most that many rows).
+    for name, f in (("", filters[""]), (" by status", filters[" by status"])):
+        rows = job_list_rows(tenant=tenant, filters=f).order_by("-submitted_at").only("id")
+        out[f"api: list{name}, total (bounded)"] = rows[: LIST_TOTAL_MAX + 1]
+    return out
 
 
 def _uses_index(plan: str) -> bool:
@@ -100,6 +131,10 @@ def checks(tenant: Tenant) -> list[PlanCheck]:
     return [check(qs, name) for name, qs in queries(tenant).items()]
 
 
+def _seed_sub_tenant(i: int) -> str:
+    return f"cust-{i // SEED_SUB_TENANT_EVERY % SEED_SUB_TENANTS}"
+
+
 def seed(*, rows: int, waiting: int, tenant: Tenant, log: Callable[[str], None], chunk: int = 10_000) -> None:
     """Add `rows` job rows to `tenant`: `waiting` of them waiting (parked and queued), of
     the rest one in DEFERRED_EVERY deferred (scheduled or retrying, due within a day either
@@ -125,7 +160,8 @@ def seed(*, rows: int, waiting: int, tenant: Tenant, log: Callable[[str], None],
                 Job(
                     id=uuid.uuid4(),
                     tenant=tenant,
-                    task="demo.noop",
+                    task=SEED_TASKS[1] if i % SEED_TASK_EVERY == 0 else SEED_TASKS[0],
+                    sub_tenant=_seed_sub_tenant(i) if i % SEED_SUB_TENANT_EVERY == 0 else "",
                     latency_class="default",
                     status=status,
                     admitted_at=now if status == JobStatus.QUEUED and i % 4 else None,

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from django.db import models
+from django.db.models import QuerySet
 
 from fairqueue.jobs import live, payloads
 from fairqueue.jobs.admission import flood_utilisation, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
-from fairqueue.jobs.models import DEFERRED_STATUSES, Job, JobStatus
+from fairqueue.jobs.list_cursor import cursor_decode, cursor_encode, jobs_after
+from fairqueue.jobs.models import DEFERRED_STATUSES, SUB_TENANT_SET, Job, JobStatus
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
@@ -33,18 +36,79 @@ def job_get(*, tenant: Tenant, job_id: str) -> Job:
     return job
 
 
-def job_list(*, tenant: Tenant, status: str | None, limit: int, offset: int) -> dict[str, Any]:
-    qs = Job.objects.filter(tenant=tenant).order_by("-submitted_at", "-id")
-    if status:
-        qs = qs.filter(status=status)
-    count = qs.count()
-    items = [job_to_dict(j) for j in qs[offset : offset + limit]]
+# The list's total is counted only when asked, and only up to this many rows: past it the
+# answer says "at least" (a count of a tenant's whole history costs what the history does).
+LIST_TOTAL_MAX = 10_000
+# The deprecated offset walks past that many rows on every page; the cursor does not.
+LIST_OFFSET_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class JobListFilters:
+    """What the list keeps: each set filter must hold (any combination)."""
+
+    status: str | None = None
+    sub_tenant: str | None = None
+    task: str | None = None
+    submitted_since: datetime | None = None  # inclusive
+    submitted_before: datetime | None = None  # exclusive
+
+
+def job_list_rows(*, tenant: Tenant, filters: JobListFilters) -> QuerySet[Job]:
+    """The tenant's jobs that pass `filters`, newest first (the list's order and its
+    cursor's). An index serves each filter alone with this order: (tenant, submitted_at,
+    id) the time range, (tenant, status, submitted_at) the status, job_tenant_task and
+    job_tenant_sub_tenant the task and the sub-tenant (Job.Meta.indexes)."""
+    qs = Job.objects.filter(tenant=tenant)
+    if filters.status:
+        qs = qs.filter(status=filters.status)
+    if filters.task:
+        qs = qs.filter(task=filters.task)
+    if filters.sub_tenant:
+        # The partial index's condition, stated as is: SQLite uses a partial index only then.
+        qs = qs.filter(SUB_TENANT_SET, sub_tenant=filters.sub_tenant)
+    if filters.submitted_since:
+        qs = qs.filter(submitted_at__gte=filters.submitted_since)
+    if filters.submitted_before:
+        qs = qs.filter(submitted_at__lt=filters.submitted_before)
+    return qs.order_by("-submitted_at", "-id")
+
+
+def job_list(
+    *,
+    tenant: Tenant,
+    filters: JobListFilters,
+    limit: int,
+    cursor: str | None = None,
+    offset: int = 0,
+    with_total: bool = False,
+) -> dict[str, Any]:
+    """One page of the list: `limit` jobs after `cursor` (a `next` of an earlier page; from
+    the newest without one), `offset` more skipped (deprecated). `next` is the cursor of
+    the page after it, when there is one (`has_more`). No count unless `with_total`, and
+    that one bounded (LIST_TOTAL_MAX)."""
+    rows = job_list_rows(tenant=tenant, filters=filters)
+    page = jobs_after(rows, cursor_decode(cursor)) if cursor else rows
+    # Not in the answer, and the largest columns a row has (arguments up to the payload threshold).
+    page = page.defer("args", "timeline")
+    found = list(page[offset : offset + limit + 1])  # one more: is there a next page?
+    has_more = len(found) > limit
+    found = found[:limit]
+    total = None
+    if with_total:
+        # In the order the filter's index has (its last column), which PostgreSQL then walks
+        # and stops at the cap; with no order at all it may scan the table up to the cap.
+        counted = rows.order_by("-submitted_at")[: LIST_TOTAL_MAX + 1].count()
+        total = {"value": min(counted, LIST_TOTAL_MAX), "relation": "eq" if counted <= LIST_TOTAL_MAX else "gte"}
     return {
-        "items": items,
-        "count": count,
+        "items": [job_to_dict(j) for j in found],
         "limit": limit,
+        "has_more": has_more,
+        "next": cursor_encode(found[-1]) if has_more else None,
+        "total": total,
         "offset": offset,
-        "next_offset": offset + limit if offset + limit < count else None,
+        # Only for a client still paging by offset alone; the cursor is the way on.
+        "next_offset": offset + limit if has_more and not cursor and offset + limit <= LIST_OFFSET_MAX else None,
     }
 
 

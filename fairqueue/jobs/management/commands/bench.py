@@ -1,5 +1,5 @@
 """``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
-``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``, ``fleet``)."""
+``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``, ``fleet``, ``job-list``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from fairqueue.bench import backoff_bench, engine_bench, fleet_bench, noisy, submit, throughput, whatif_bench
+from fairqueue.bench import (
+    backoff_bench,
+    engine_bench,
+    fleet_bench,
+    joblist_bench,
+    noisy,
+    submit,
+    throughput,
+    whatif_bench,
+)
 from fairqueue.bench.engine_bench import AB_OPERATIONS
 
 
@@ -18,7 +27,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         subparsers = parser.add_subparsers(
-            dest="bench", required=True, metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff,fleet}"
+            dest="bench",
+            required=True,
+            metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff,fleet,job-list}",
         )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
@@ -41,6 +52,9 @@ class Command(BaseCommand):
         )
         fleet_bench.add_arguments(
             subparsers.add_parser("fleet", help="duties, snapshot, /metrics and admit cost by workers x tenants")
+        )
+        joblist_bench.add_arguments(
+            subparsers.add_parser("job-list", help="GET /api/v1/jobs at a million jobs: pages, cursor, filters (P99)")
         )
         whatif = subparsers.add_parser("whatif", help="the what-if model's speed on a synthetic day of a busy shard")
         whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
@@ -71,13 +85,14 @@ class Command(BaseCommand):
             if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
                 raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
             result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
-        elif options["bench"] in ("noisy", "submit", "throughput", "backoff", "fleet"):
+        elif options["bench"] in ("noisy", "submit", "throughput", "backoff", "fleet", "job-list"):
             modules = {
                 "noisy": noisy,
                 "submit": submit,
                 "throughput": throughput,
                 "backoff": backoff_bench,
                 "fleet": fleet_bench,
+                "job-list": joblist_bench,
             }
             module = modules[options["bench"]]
             try:
