@@ -41,8 +41,12 @@ JSON shape (all numbers plain; ages and durations in seconds)::
                    "signal" (e.g. "memory"; "" when all are offered), "reason" (a sentence)}],
       "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
       "resources": [{"name", "limit" (configured), "effective" (now; 0 while paused), "effective_exact",
-                     "paused_for_s" (null unless paused), "refusals"}]
+                     "paused_for_s" (null unless paused), "refusals"}],
+      "policy_changes": [{"ts", "id", "text", "user", "source"}]  # the latest, oldest first
     }
+
+The charts draw each policy change as a marker at its time (tenants.change_markers): a cell's
+history has one point per tick (dashboard.ticker, one a second), the capacity chart its times.
 
 A cell is green while its oldest waiting job is younger than the class objective (or
 nothing waits), orange from the objective on, red from twice the objective on.
@@ -66,6 +70,8 @@ from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
+from tenants.change_markers import markers_parse
+from tenants.keys import CHANGE_MARKERS_KEY
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
 
 BATCH_CLASS = cells.BATCH_CLASS  # pseudo-class of the batch lane in the grid
@@ -148,6 +154,8 @@ class _Kept:
     holders: dict[str, int] = field(default_factory=dict)  # tenant engine key -> held
     limits_version: str | None = None  # the tick's publication the three hashes were read at
     limits_raw: LimitsRaw = ({}, {}, {})
+    markers_raw: list[str] = field(default_factory=list)  # the policy change markers as read
+    markers: list[dict[str, Any]] = field(default_factory=list)  # and parsed
 
 
 _kept = _Kept()
@@ -188,6 +196,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         names = count_names[shard]
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
     pipe.get(live.SHARES_VERSION_KEY)  # the tick's shares and limits as of when
+    pipe.zrange(CHANGE_MARKERS_KEY, 0, -1)  # the latest policy changes, for the charts' markers
     results = iter(pipe.execute())
     if kept.count_names is not count_names:
         kept.count_names, kept.held_raw, kept.shard_held, kept.holders = count_names, {}, {}, {}
@@ -210,6 +219,9 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         batch_in_flight += batch_held
         in_flight += max(0, shard_held - batch_held)
     limits_version: str | None = next(results)
+    markers_raw = next(results)
+    if markers_raw != kept.markers_raw:
+        kept.markers_raw, kept.markers = markers_raw, markers_parse(markers_raw)
     # A missing version (nothing published, or expired) is never taken as unchanged.
     if limits_version is None or limits_version != kept.limits_version:
         pipe = client.pipeline(transaction=False)
@@ -295,4 +307,5 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "resources": resources_explain(policy),
         # Which of the services FairQueue needs answer now (a restart or failover in progress).
         "dependencies": dependencies_up(),
+        "policy_changes": kept.markers,
     }

@@ -56,12 +56,14 @@ T = TypeVar("T")
 
 API_PREFIX = "/api/"
 # Middleware a bearer-key JSON API never reads: no session, user, message, CSRF cookie or
-# static file is involved in any /api/ request (ninja's CSRF check is off for key auth).
+# static file is involved in any /api/ request (ninja's CSRF check is off for key auth), and
+# it changes no policy (whose history the history middleware tells who changed it).
 API_SKIPPED_MIDDLEWARE = frozenset(
     {
         "django.contrib.sessions.middleware.SessionMiddleware",
         "django.middleware.csrf.CsrfViewMiddleware",
         "django.contrib.auth.middleware.AuthenticationMiddleware",
+        "simple_history.middleware.HistoryRequestMiddleware",
         "django.contrib.messages.middleware.MessageMiddleware",
         "fairqueue.staticfiles.StaticFilesMiddleware",
     }

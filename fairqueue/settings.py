@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "django_prometheus",
     "ninja",  # the API docs' Swagger UI from ninja's bundled static files, not a CDN
     "channels",
+    "simple_history",  # who changed policy, old -> new (tenants/history.py)
     "tenants",
     "fairqueue.jobs",
     "webhooks",
@@ -65,6 +66,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # Tells a policy model's history who made a change in a request (sync and async alike).
+    "simple_history.middleware.HistoryRequestMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_prometheus.middleware.PrometheusAfterMiddleware",

@@ -1,5 +1,11 @@
 """Admin for tenant policy: validation with clear errors, key rotation; under the tenant and
-pool settings forms, the live state in words and the what-if preview (tenants.admin_panel)."""
+pool settings forms, the live state in words and the what-if preview (tenants.admin_panel);
+every policy model's history, the timeline of changes and their revert (tenants.admin_history).
+
+Who may do what is Django's permissions (the roles are groups: tenants/migrations/0008_policy_roles.py):
+view, add, change and delete per model, `tenants.rotate_keys` for the key rotations, and
+`tenants.view_policychange` for the timeline. A user who may view a tenant or the pool
+settings but not change them may still preview a change (the what-if), never save it."""
 
 from __future__ import annotations
 
@@ -9,22 +15,30 @@ import redis
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db import transaction
 from django.db.models import Count, QuerySet
 from django.forms.models import BaseInlineFormSet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import reverse
+from simple_history.utils import bulk_update_with_history
 
+from tenants.admin_history import REASON_FIELD, REASON_FIELDSET, ChangeReasonForm, PolicyChangeAdmin, PolicyHistoryAdmin
 from tenants.admin_panel import PoolWhatIfMixin, TenantWhatIfMixin
-from tenants.models import LatencyClass, PoolSettings, Resource, Shard, SubTenant, Tenant
+from tenants.change_markers import markers_push_on_commit
+from tenants.changes import entries_build
+from tenants.history import source_current
+from tenants.models import LatencyClass, PolicyChange, PoolSettings, Resource, Shard, SubTenant, Tenant
 from tenants.policy import ResourcePolicy
 from tenants.resource_limits import resource_limits_read
 from tenants.selectors import tenants_move_preview
 from tenants.sync import tenant_policy_sync_on_commit
 from webhooks.targets import TargetRefused, target_resolve
 
+admin.site.register(PolicyChange, PolicyChangeAdmin)
 
-class MoveConfirmingForm(forms.ModelForm):
+
+class MoveConfirmingForm(ChangeReasonForm):
     """A form whose save may move or rename tenants with unfinished jobs: before such a
     save it says what the move will do to them and asks for the `confirm_move` box."""
 
@@ -61,12 +75,12 @@ class ShardAdminForm(MoveConfirmingForm):
 
 
 @admin.register(Shard)
-class ShardAdmin(admin.ModelAdmin):
+class ShardAdmin(PolicyHistoryAdmin):
     form = ShardAdminForm
     list_display = ["name", "capacity", "tenant_count", "updated_at"]
     search_fields = ["name"]
     readonly_fields = ["updated_at"]
-    fields = ["name", "capacity", "confirm_move", "updated_at"]
+    fields = ["name", "capacity", "confirm_move", REASON_FIELD, "updated_at"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Shard]:
         return super().get_queryset(request).annotate(_tenant_count=Count("tenants"))
@@ -77,11 +91,12 @@ class ShardAdmin(admin.ModelAdmin):
 
 
 @admin.register(LatencyClass)
-class LatencyClassAdmin(admin.ModelAdmin):
+class LatencyClassAdmin(PolicyHistoryAdmin):
+    form = ChangeReasonForm
     list_display = ["name", "rank", "objective_seconds", "objective", "updated_at"]
     search_fields = ["name"]
     readonly_fields = ["updated_at"]
-    fields = ["name", "rank", "objective_seconds", "updated_at"]
+    fields = ["name", "rank", "objective_seconds", REASON_FIELD, "updated_at"]
 
     @admin.display(description="objective")
     def objective(self, obj: LatencyClass) -> str:
@@ -102,9 +117,10 @@ class LatencyClassAdmin(admin.ModelAdmin):
 
 
 @admin.register(Resource)
-class ResourceAdmin(admin.ModelAdmin):
+class ResourceAdmin(PolicyHistoryAdmin):
     """Configured limits and AIMD parameters; the effective limit, live from Redis."""
 
+    form = ChangeReasonForm
     list_display = ["name", "limit", "effective_limit", "decrease_factor", "increase_per_success", "recovery_seconds"]
     search_fields = ["name"]
     readonly_fields = ["effective_limit", "updated_at"]
@@ -119,6 +135,7 @@ class ResourceAdmin(admin.ModelAdmin):
                 "recovery time has passed since the last cut. It stays between 1 and the configured limit.",
             },
         ),
+        REASON_FIELDSET,
         ("History", {"fields": ["updated_at"], "classes": ["collapse"]}),
     ]
 
@@ -223,7 +240,7 @@ class TenantAdminForm(MoveConfirmingForm):
 
 
 @admin.register(Tenant)
-class TenantAdmin(TenantWhatIfMixin):
+class TenantAdmin(PolicyHistoryAdmin, TenantWhatIfMixin):
     form = TenantAdminForm
     inlines = [SubTenantInline]
     list_display = [
@@ -274,6 +291,7 @@ class TenantAdmin(TenantWhatIfMixin):
                 "use the “Rotate webhook secret” action for a new one.",
             },
         ),
+        REASON_FIELDSET,
         ("History", {"fields": ["created_at", "updated_at"], "classes": ["collapse"]}),
     ]
 
@@ -303,6 +321,17 @@ class TenantAdmin(TenantWhatIfMixin):
         if new_secrets and "_popup" not in request.POST:
             return self._show_webhook_secrets(request, new_secrets, title="Webhook secret issued: copy it now")
         return super().response_change(request, obj)
+
+    def revert_response(self, request: HttpRequest, obj: Tenant) -> HttpResponse | None:
+        # A restored tenant gets a new key (and webhook secret), shown once, as on creation.
+        new_keys = getattr(request, "_fq_new_keys", None)
+        new_secrets = getattr(request, "_fq_new_webhook_secrets", None)
+        if new_keys:
+            title = "Tenant restored: copy its new API key now"
+            return self._show_keys(request, new_keys, title=title, new_secrets=new_secrets)
+        if new_secrets:
+            return self._show_webhook_secrets(request, new_secrets, title="Webhook secret issued: copy it now")
+        return None
 
     def response_add(self, request: HttpRequest, obj: Tenant, post_url_continue: str | None = None) -> HttpResponse:
         new_keys = getattr(request, "_fq_new_keys", None)
@@ -334,7 +363,10 @@ class TenantAdmin(TenantWhatIfMixin):
         response["Cache-Control"] = "no-store"
         return response
 
-    @admin.action(description="Rotate API key (shows the new keys once)", permissions=["change"])
+    def has_rotate_keys_permission(self, request: HttpRequest) -> bool:
+        return bool(request.user.has_perm("tenants.rotate_keys"))
+
+    @admin.action(description="Rotate API key (shows the new keys once)", permissions=["rotate_keys"])
     def rotate_api_keys(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> HttpResponse | None:
         if request.POST.get("confirm") != "yes":
             context = {
@@ -368,7 +400,7 @@ class TenantAdmin(TenantWhatIfMixin):
         response["Cache-Control"] = "no-store"  # the secret must not linger in any cache
         return response
 
-    @admin.action(description="Rotate webhook secret (shows the new secrets once)", permissions=["change"])
+    @admin.action(description="Rotate webhook secret (shows the new secrets once)", permissions=["rotate_keys"])
     def rotate_webhook_secrets(self, request: HttpRequest, queryset: QuerySet[Tenant]) -> HttpResponse | None:
         new_secrets = []
         for tenant in queryset:
@@ -380,10 +412,24 @@ class TenantAdmin(TenantWhatIfMixin):
         return self._show_webhook_secrets(request, new_secrets, title="New webhook secrets: copy them now")
 
     def _set_active(self, request: HttpRequest, queryset: QuerySet[Tenant], *, active: bool) -> None:
-        ids = list(queryset.values_list("pk", flat=True))
-        updated = Tenant.objects.filter(pk__in=ids).update(active=active)
-        # update() fires no signals: mirror into Redis explicitly.
-        tenant_policy_sync_on_commit(tenant_ids=ids)
+        with transaction.atomic():
+            selected = Tenant.objects.select_for_update().filter(pk__in=queryset.values("pk"))
+            changing = list(selected.exclude(active=active))
+            for tenant in changing:
+                tenant.active = active
+            # One UPDATE and one history row per tenant; the bulk fires no signals: the
+            # source, Redis and the dashboard's markers are seen to here.
+            updated = bulk_update_with_history(
+                changing,
+                Tenant,
+                ["active"],
+                default_user=request.user,
+                default_change_reason=f"{'Activated' if active else 'Deactivated'} from the tenant list",
+                custom_historical_attrs={"history_source": source_current()},
+            )
+            tenant_policy_sync_on_commit(tenant_ids=[t.pk for t in changing])
+            records = Tenant.history.filter(id__in=[t.pk for t in changing]).latest_of_each()  # type: ignore[attr-defined]
+            markers_push_on_commit(entries_build([("tenant", r) for r in records]))
         verb = "Activated" if active else "Deactivated"
         self.message_user(request, f"{verb} {updated} tenant(s); Redis updated.", messages.SUCCESS)
 
@@ -397,20 +443,21 @@ class TenantAdmin(TenantWhatIfMixin):
 
 
 @admin.register(SubTenant)
-class SubTenantAdmin(admin.ModelAdmin):
+class SubTenantAdmin(PolicyHistoryAdmin):
+    form = ChangeReasonForm
     list_display = ["external_id", "tenant", "max_concurrency", "updated_at"]
     list_filter = ["tenant"]
     search_fields = ["external_id", "tenant__slug", "tenant__name"]
     list_select_related = ["tenant"]
     autocomplete_fields = ["tenant"]
     readonly_fields = ["updated_at"]
-    fields = ["tenant", "external_id", "max_concurrency", "updated_at"]
+    fields = ["tenant", "external_id", "max_concurrency", REASON_FIELD, "updated_at"]
 
 
 # --- Pool settings (a single row) ------------------------------------------------------------
 
 
-class PoolSettingsForm(forms.ModelForm):
+class PoolSettingsForm(ChangeReasonForm):
     class Meta:
         model = PoolSettings
         fields = "__all__"
@@ -424,7 +471,7 @@ class PoolSettingsForm(forms.ModelForm):
 
 
 @admin.register(PoolSettings)
-class PoolSettingsAdmin(PoolWhatIfMixin):
+class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
     form = PoolSettingsForm
     list_display = [
         "__str__",
@@ -443,6 +490,7 @@ class PoolSettingsAdmin(PoolWhatIfMixin):
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
         ("Floors", {"fields": ["floor_headroom"]}),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
+        REASON_FIELDSET,
         (None, {"fields": ["updated_at"]}),
     ]
 

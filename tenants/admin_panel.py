@@ -4,6 +4,9 @@ the what-if preview of the form's unsaved values (tenants.whatif) beside it.
 A preview is a POST of the change form with the Preview button: the form is validated as
 for a save (bad input: its errors, as always), then the page comes back with the
 operator's values still in it, unsaved, and the comparison in the panel.
+
+A user who may view the row but not change it (the policy viewer role) may preview too:
+the form is editable for that but has no Save button, and any POST but a preview is refused.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 from django.http import HttpRequest, HttpResponse
 from django.utils.safestring import SafeString
 
@@ -174,6 +178,20 @@ class WhatIfPreviewMixin(admin.ModelAdmin):  # type: ignore[type-arg]
 
     change_form_template = "admin/tenants/whatif_change_form.html"
 
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not super().has_change_permission(request) and self.has_view_permission(request):
+            if request.method == "POST" and PREVIEW_BUTTON not in request.POST:
+                raise PermissionDenied
+            request._fq_preview_only = True  # type: ignore[attr-defined]
+        return super().change_view(request, object_id, form_url, extra_context)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Inside change_view only: the form of a preview-only user is editable (a preview
+        # never saves: its form is never valid to Django).
+        return super().has_change_permission(request, obj) or getattr(request, "_fq_preview_only", False)
+
     def get_form(self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any) -> Any:
         form = super().get_form(request, obj, change=change, **kwargs)
         if request.method == "POST" and PREVIEW_BUTTON in request.POST and obj is not None:
@@ -192,6 +210,8 @@ class WhatIfPreviewMixin(admin.ModelAdmin):  # type: ignore[type-arg]
         if change and obj is not None:
             context["fq_live_state"] = self.live_state(obj)
             context["fq_whatif"] = self.whatif_panel(request, context["adminform"].form, obj)
+        if getattr(request, "_fq_preview_only", False):
+            context.update(show_save=False, show_save_and_continue=False, show_save_and_add_another=False)
         return super().render_change_form(request, context, add=add, change=change, form_url=form_url, obj=obj)
 
     def live_state(self, obj: Any) -> list[tuple[str, str]] | None:

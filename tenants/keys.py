@@ -43,3 +43,8 @@ def class_key(name: str) -> str:
 
 def resource_key(name: str) -> str:
     return f"{PREFIX}resource:{name}"
+
+
+# The latest policy changes, for markers on the dashboard's charts (tenants.change_markers):
+# a sorted set by time. Outside `{policy}`, so a full resync of policy keeps it.
+CHANGE_MARKERS_KEY = "fq:policy_changes"

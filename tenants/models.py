@@ -10,6 +10,9 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
+from simple_history.models import HistoricalRecords
+
+from tenants.history import PolicyChangeFields
 
 SLUG_VALIDATOR = RegexValidator(
     r"^[a-z0-9][a-z0-9_-]{0,62}$",
@@ -18,6 +21,16 @@ SLUG_VALIDATOR = RegexValidator(
 
 API_KEY_PREFIX_LEN = 8
 WEBHOOK_SECRET_PREFIX = "whsec_"
+
+
+def _policy_history(*excluded: str) -> HistoricalRecords:
+    """Every change of a policy row, with who, when, from where and why (tenants.history).
+    `updated_at` is left out: the history row's own date says when."""
+    return HistoricalRecords(
+        bases=[PolicyChangeFields],
+        excluded_fields=["updated_at", *excluded],
+        history_change_reason_field=models.TextField(null=True),
+    )
 
 
 def _hash_api_key(raw_key: str) -> str:
@@ -34,6 +47,7 @@ class Shard(models.Model):
         default=50, validators=[MinValueValidator(1)], help_text="Max concurrent jobs this database can take."
     )
     updated_at = models.DateTimeField(auto_now=True)
+    history = _policy_history()
 
     class Meta:
         ordering = ["name"]
@@ -55,6 +69,7 @@ class LatencyClass(models.Model):
         help_text="Higher runs first (0-250); also the job's priority in waiter queues.",
     )
     updated_at = models.DateTimeField(auto_now=True)
+    history = _policy_history()
 
     class Meta:
         ordering = ["-rank"]
@@ -104,9 +119,13 @@ class Tenant(models.Model):
     webhook_secret_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # The key's hash and the webhook secret never enter history: a rotation shows as a new
+    # prefix and date, by whom, and nothing that would let anyone sign or authenticate.
+    history = _policy_history("api_key_hash", "webhook_secret")
 
     class Meta:
         ordering = ["slug"]
+        permissions = [("rotate_keys", "Can rotate API keys and webhook secrets")]
 
     def __str__(self) -> str:
         return self.slug
@@ -121,7 +140,8 @@ class Tenant(models.Model):
             errors.setdefault("floor", []).append(
                 f"Floor ({self.floor}) is above the hard max ({self.max_concurrency}); lower it or raise the max."
             )
-        shard = self.shard if self.shard_id is not None else None
+        # A shard given as an unsaved row (a policy file's new shard) is checked too.
+        shard = self.shard if self.shard_id is not None or Tenant.shard.is_cached(self) else None
         if shard is not None and self.floor is not None and self.floor > shard.capacity:
             errors.setdefault("floor", []).append(
                 f"Floor ({self.floor}) is above the capacity of shard {shard.name} ({shard.capacity}); "
@@ -164,6 +184,7 @@ class SubTenant(models.Model):
     external_id = models.CharField(max_length=200, help_text="The customer's own id for its end-customer.")
     max_concurrency = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     updated_at = models.DateTimeField(auto_now=True)
+    history = _policy_history()
 
     class Meta:
         ordering = ["tenant", "external_id"]
@@ -213,6 +234,7 @@ class Resource(models.Model):
         help_text="After a refusal, successes start raising the effective limit again only after this long.",
     )
     updated_at = models.DateTimeField(auto_now=True)
+    history = _policy_history()
 
     class Meta:
         ordering = ["name"]
@@ -252,6 +274,7 @@ class PoolSettings(models.Model):
         ),
     )
     updated_at = models.DateTimeField(auto_now=True)
+    history = _policy_history()
 
     class Meta:
         verbose_name = "pool settings"
@@ -272,3 +295,14 @@ class PoolSettings(models.Model):
     def load(cls) -> PoolSettings:
         obj, _ = cls.objects.get_or_create(pk=1)
         return obj
+
+
+class PolicyChange(models.Model):
+    """An unmanaged model: gives the timeline of every policy change (tenants.admin_history)
+    a place and a permission in the admin. Its rows are the policy models' history rows."""
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        verbose_name = "policy change"
+        verbose_name_plural = "policy changes"

@@ -1,4 +1,5 @@
-"""Save/delete signals that mirror policy into Redis after the transaction commits."""
+"""Save/delete signals that mirror policy into Redis after the transaction commits, and
+stamp each policy change's history row with its source (and mark it on the dashboard)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from typing import Any
 
 from django.db.models.signals import post_delete, post_save, pre_save
 from django.dispatch import receiver
+from simple_history.signals import post_create_historical_record, pre_create_historical_record
 
 from tenants import sync
+from tenants.change_markers import markers_push_on_commit
+from tenants.changes import POLICY_MODELS, entries_build
+from tenants.history import source_current
 from tenants.models import LatencyClass, PoolSettings, Resource, Shard, SubTenant, Tenant
 
 # Saving only these (API key rotation) changes no policy Redis holds, only the key version.
@@ -139,3 +144,27 @@ def _resource_post_save(sender: type[Resource], instance: Resource, **kwargs: An
 @receiver(post_delete, sender=Resource, dispatch_uid="fq_resource_post_delete")
 def _resource_post_delete(sender: type[Resource], instance: Resource, **kwargs: Any) -> None:
     sync.resource_policy_delete_on_commit(name=instance.name)
+
+
+# --- History: where each change came from, and a marker for the dashboard's charts --------
+
+_HISTORY_MODELS = {model.history.model: name for name, model in POLICY_MODELS.items()}  # type: ignore[attr-defined]
+
+
+def _history_pre_create(sender: Any, history_instance: Any, **kwargs: Any) -> None:
+    if sender in _HISTORY_MODELS:
+        history_instance.history_source = source_current()
+
+
+def _history_post_create(sender: Any, history_instance: Any, instance: Any = None, **kwargs: Any) -> None:
+    name = _HISTORY_MODELS.get(sender)
+    if name is None:
+        return
+    # The reason was for this change: a later save of the same instance gives its own.
+    if instance is not None and hasattr(instance, "_change_reason"):
+        del instance._change_reason
+    markers_push_on_commit(entries_build([(name, history_instance)]))
+
+
+pre_create_historical_record.connect(_history_pre_create, dispatch_uid="fq_history_source")
+post_create_historical_record.connect(_history_post_create, dispatch_uid="fq_history_marker")

@@ -136,25 +136,41 @@ def policy_from_database(
     for st in SubTenant.objects.all():
         if st.tenant_id in slug_by_pk:
             subs.setdefault(slug_by_pk[st.tenant_id], {})[st.external_id] = st.max_concurrency
-    pool_row = pool if pool is not None else PoolSettings.load()
-    tenant_policies = {}
     for t in tenant_rows.values():
         if t.shard_id in shard_rows:
             t.shard = shard_rows[t.shard_id]  # the proposed shard row, if one is given
-        tenant_policies[t.slug] = TenantPolicy.from_hash(tenant_policy_mapping(tenant=t))
-    return PolicySnapshot(
-        tenants=tenant_policies,
+    return policy_from_rows(
+        tenants=tenant_rows.values(),
         subtenants=subs,
-        shards={s.name: ShardPolicy(s.name, s.capacity, 0) for s in shard_rows.values()},
-        classes={c.name: ClassPolicy(c.name, c.objective_seconds, c.rank, 0) for c in LatencyClass.objects.all()},
+        shards=shard_rows.values(),
+        classes=LatencyClass.objects.all(),
+        pool=pool if pool is not None else PoolSettings.load(),
+    )
+
+
+def policy_from_rows(
+    *,
+    tenants: Iterable[Tenant],
+    subtenants: dict[str, dict[str, int]],
+    shards: Iterable[Shard],
+    classes: Iterable[LatencyClass],
+    pool: PoolSettings,
+) -> PolicySnapshot:
+    """The policy these rows (saved or not) make, built through the mappings the sync
+    writes to Redis; each tenant's `shard` is one of `shards`."""
+    return PolicySnapshot(
+        tenants={t.slug: TenantPolicy.from_hash(tenant_policy_mapping(tenant=t)) for t in tenants},
+        subtenants=subtenants,
+        shards={s.name: ShardPolicy(s.name, s.capacity, 0) for s in shards},
+        classes={c.name: ClassPolicy(c.name, c.objective_seconds, c.rank, 0) for c in classes},
         pool=PoolPolicy(
-            target_utilisation=pool_row.target_utilisation,
-            f_min=pool_row.f_min,
-            f_max=pool_row.f_max,
-            rate_window_seconds=pool_row.rate_window_seconds,
-            default_job_seconds=pool_row.default_job_seconds,
-            batch_objective_seconds=pool_row.batch_objective_seconds,
-            floor_headroom=pool_row.floor_headroom,
+            target_utilisation=pool.target_utilisation,
+            f_min=pool.f_min,
+            f_max=pool.f_max,
+            rate_window_seconds=pool.rate_window_seconds,
+            default_job_seconds=pool.default_job_seconds,
+            batch_objective_seconds=pool.batch_objective_seconds,
+            floor_headroom=pool.floor_headroom,
         ),
     )
 

@@ -83,9 +83,10 @@ class TenantSyncTests(PolicyTestCase):
     def test_rolled_back_changes_are_not_written(self) -> None:
         with self.captureOnCommitCallbacks(execute=False) as callbacks:
             Tenant.objects.create(slug="acme", name="A", shard=Shard.objects.get(name="default"))
-        # TestCase never commits: dropping the callbacks is what a rollback does.
-        self.assertEqual(len(callbacks), 1)
-        self.assertFalse(self.redis.exists(keys.tenant_key("acme")))
+        # TestCase never commits: dropping the callbacks is what a rollback does. Two wait
+        # for the commit: the sync, and the change's marker on the dashboard's charts.
+        self.assertEqual(len(callbacks), 2)
+        self.assertFalse(self.redis.exists(keys.tenant_key("acme"), keys.CHANGE_MARKERS_KEY))
 
     def test_every_change_increases_the_version(self) -> None:
         tenant = self.create_tenant()

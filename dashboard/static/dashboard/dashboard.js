@@ -25,7 +25,21 @@
   function setText(id, text) { document.getElementById(id).textContent = text; }
 
   var SVG = "http://www.w3.org/2000/svg";
-  function sparkline(values, objective) {
+  var HISTORY_TICK_S = 1;  // a cell's history has one point per dashboard tick
+  // A policy change as a marker on a time chart: a vertical line at x, its summary on hover.
+  function changeMarker(m, x, top, bottom) {
+    var line = document.createElementNS(SVG, "line");
+    line.setAttribute("x1", x); line.setAttribute("x2", x);
+    line.setAttribute("y1", top); line.setAttribute("y2", bottom);
+    line.setAttribute("class", "policy-change");
+    line.setAttribute("data-change", m.id);
+    var title = document.createElementNS(SVG, "title");
+    title.textContent = new Date(m.ts * 1000).toLocaleTimeString() + " " + m.text +
+      (m.user ? " (" + m.user + ", " + m.source + ")" : " (" + m.source + ")");
+    line.appendChild(title);
+    return line;
+  }
+  function sparkline(values, objective, changes, nowTs) {
     var w = 120, h = 28;
     var svg = document.createElementNS(SVG, "svg");
     svg.setAttribute("class", "spark");
@@ -46,6 +60,10 @@
     poly.setAttribute("points", pts);
     poly.setAttribute("class", "age");
     svg.appendChild(poly);
+    (changes || []).forEach(function (m) {
+      var i = values.length - 1 - (nowTs - m.ts) / HISTORY_TICK_S;
+      if (i >= 0 && i <= values.length - 1) svg.appendChild(changeMarker(m, (i * step).toFixed(1), 0, h));
+    });
     return svg;
   }
 
@@ -77,7 +95,7 @@
         if (c) {
           td.appendChild(el("div", { "class": "age" }, fmtAge(c.oldest_age_s)));
           td.appendChild(el("div", { "class": "sub" }, c.waiting + " waiting · objective " + fmtAge(c.objective_s)));
-          td.appendChild(sparkline(c.history, c.objective_s));
+          td.appendChild(sparkline(c.history, c.objective_s, snap.policy_changes, snap.generated_ts));
           td.title = shard + " / " + cls + ": " + c.state;
         }
         tr.appendChild(td);
@@ -125,7 +143,7 @@
     Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
     return e;
   }
-  function capacityChart(cap, nowTs) {
+  function capacityChart(cap, nowTs, changes) {
     var W = 760, H = 220, L = 40, R = 34, T = 10, B = 24;
     var hist = cap.history || [], ahead = cap.ahead || [];
     var t0 = hist.length ? Math.min(hist[0][0], nowTs - 3600) : nowTs - 3600;
@@ -166,6 +184,9 @@
     line(live, "live");
     line(forecast, "forecast");
     line([[nowTs, cap.forecast]].concat(ahead.map(function (p) { return [p[0], p[1]]; })), "ahead");
+    (changes || []).forEach(function (m) {
+      if (m.ts >= t0 && m.ts <= nowTs) svg.appendChild(changeMarker(m, x(m.ts), T, H - B));
+    });
     return svg;
   }
 
@@ -177,7 +198,7 @@
     setText("cap-forecast", cap.forecast);
     setText("cap-desired", cap.desired);
     setText("cap-warmup", fmtMinutes(cap.warmup_s));
-    document.getElementById("capacity-chart").replaceChildren(capacityChart(cap, snap.generated_ts));
+    document.getElementById("capacity-chart").replaceChildren(capacityChart(cap, snap.generated_ts, snap.policy_changes));
   }
 
   function renderWorkers(snap) {
