@@ -12,7 +12,11 @@ commands per second spent on duties (INFO commandstats, less the heartbeats' own
 which the bench counts), database statements per second spent by the ticks (an execute
 wrapper on the ticking thread's connection); then the median dashboard snapshot build, a
 /metrics scrape (the collector without its cache, rendered as Prometheus text) and the
-median engine admit of a fresh job (its mean too, as `admit_us_mean`).
+median engine admit of a fresh job (its mean too, as `admit_us_mean`); last, the size of
+the dashboard's websocket frames as one page gets them (dashboard.frames, compact JSON as
+sent): the first picture (`frame_first_bytes`), then the largest and the median of the
+frames of FRAME_TICKS ticks a second apart (`frame_update_bytes_max`, `_median`), each
+from a tick's build (`picture_build(record=True)`, as the ticker makes it).
 
 INFO commandstats counts the whole Redis server: give the bench a server no one else uses
 while it runs (another database of the same server counts too).
@@ -42,8 +46,11 @@ from django.db import connection
 from django.utils import timezone
 from prometheus_client import CollectorRegistry
 
+from dashboard.frames import PageView, frame_encode
 from dashboard.metrics import FairQueueCollector, metrics_render
+from dashboard.picture import picture_build
 from dashboard.snapshot import snapshot_build
+from dashboard.ticker import TICK_SECONDS as DASHBOARD_TICK_SECONDS
 from fairqueue.bench import stack
 from fairqueue.engine import AdmitRequest
 from fairqueue.jobs import cells, live
@@ -69,6 +76,7 @@ HEARTBEAT_COMMANDS = 7  # zrangebyscore + the pipeline's six (fairqueue.jobs.fle
 SLOTS_PER_WORKER = 4
 SHARD_CAPACITY = 1000
 ADMIT_SAMPLES = {"full": 300, "quick": 30}
+FRAME_TICKS = {"full": 5, "quick": 2}
 REPEATS = 5
 WARM_TICKS = 2
 MIN_TICKS = 4
@@ -278,6 +286,23 @@ def _scrape() -> bytes:
     return metrics_render(registry)
 
 
+def _frame_bytes(ticks: int) -> dict[str, int]:
+    """One page's first frame and the frames of the next `ticks` ticks, in bytes."""
+    page = PageView()
+    first = len(frame_encode(page.first(picture_build(record=True))).encode())
+    updates = []
+    while len(updates) < ticks:
+        time.sleep(DASHBOARD_TICK_SECONDS)
+        frame = page.next(picture_build(record=True))
+        if frame is not None:
+            updates.append(len(frame_encode(frame).encode()))
+    return {
+        "frame_first_bytes": first,
+        "frame_update_bytes_max": max(updates),
+        "frame_update_bytes_median": round(statistics.median(updates)),
+    }
+
+
 def _admit_us(samples: int) -> tuple[float, float]:
     """Median and mean of an engine admit of a fresh job on a tenant with room (released
     right after). The median is the figure compared across cases: the bench process also
@@ -307,6 +332,7 @@ def run(*, quick: bool, log: Callable[[str], None], database_label: str) -> dict
         snapshot_ms = _median_ms(lambda: snapshot_build(with_history=False))
         scrape_ms = _median_ms(_scrape)
         admit_median, admit_mean = _admit_us(ADMIT_SAMPLES[size])
+        frames = _frame_bytes(FRAME_TICKS[size])
         case = {
             "workers": workers,
             "tenants": tenants,
@@ -316,6 +342,7 @@ def run(*, quick: bool, log: Callable[[str], None], database_label: str) -> dict
             "scrape_ms": scrape_ms,
             "admit_us": admit_median,
             "admit_us_mean": admit_mean,
+            **frames,
             "ticks": duty["ticks"],
         }
         log(f"  {case}")
