@@ -20,7 +20,7 @@ Redis: each frame after the first comes from one tick's build.
 
 Delta shape::
 
-    {"t": "delta", "ts", "generated_at",
+    {"t": "delta", "ts",
      "pool"?: {key: value}, "totals"?: {...}, "capacity"?: {...},
      "top"?: [slug, ...], "top_n"?: n, "red"?: {...}, "workers"?: [...], "resources"?: [...],
      "rows"?: {slug: {field: value}}, "gone"?: [slug, ...],
@@ -107,7 +107,7 @@ class PageView:
         if picture["ts"] <= self.ts:
             return None
         self.ts = picture["ts"]
-        frame: dict[str, Any] = {"t": "delta", "ts": picture["ts"], "generated_at": picture["generated_at"]}
+        frame: dict[str, Any] = {"t": "delta", "ts": picture["ts"]}
         sections = self.sections
         for key in DICT_SECTIONS:
             changed = _changed(picture[key] or {}, sections[key] or {})

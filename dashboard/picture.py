@@ -26,7 +26,9 @@ Shape::
               "counts": {"red", "orange", "green"},
               "cells": {"<shard>/<class>": cell}},   # the snapshot's cell, history to 0.1 s
      "red": {"cells": [cell without history, ...], "total"},
-     "workers": [...], "capacity": {...}, "resources": [...]}
+     "workers": [...], "resources": [...],
+     "capacity": {... as the snapshot's, but "ahead" as "ahead_values": [slots, ...] one every
+                  "ahead_step_s" from "ts"}}
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dashboard.attention import cell_ratio, shards_ranked, tenant_state, tenants
 from dashboard.snapshot import ORANGE, RED, snapshot_build
 from dashboard.tenant_history import tenant_history_record
 from dashboard.watched import watched_read
+from fairqueue.jobs.capacity import AHEAD_STEP_SECONDS
 from fairqueue.jobs.runtime import redis_client
 
 GRID_SHARDS = 20  # shard rows the grid shows; the rest are counted
@@ -79,6 +82,17 @@ def _cell(cell: dict[str, Any], *, history: bool) -> dict[str, Any]:
         out["oldest_age_s"] = _tenth(out["oldest_age_s"])
     if history:
         out["history"] = [_tenth(v) for v in cell["history"]]
+    return out
+
+
+def _capacity(capacity: dict[str, Any]) -> dict[str, Any]:
+    """The capacity section with the forecast ahead as its values alone, one every
+    AHEAD_STEP_SECONDS from the picture's time: its timestamps move every tick, its values
+    seldom."""
+    out = {k: v for k, v in capacity.items() if k != "ahead"}
+    if "ahead" in capacity:
+        out["ahead_values"] = [value for _, value in capacity["ahead"]]
+        out["ahead_step_s"] = AHEAD_STEP_SECONDS
     return out
 
 
@@ -145,7 +159,7 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         },
         "red": {"cells": [_cell(c, history=False) for c in red[:RED_SHOWN]], "total": len(red)},
         "workers": snapshot["workers"],
-        "capacity": snapshot["capacity"],
+        "capacity": _capacity(snapshot["capacity"]),
         "resources": snapshot["resources"],
     }
 

@@ -398,7 +398,8 @@
   function fmtMinutes(s) { return s >= 3600 ? (s / 3600).toFixed(1) + " h" : Math.round(s / 60) + " min"; }
   function capacityChart(cap, nowTs) {
     var W = 760, H = 220, L = 40, R = 34, T = 10, B = 24;
-    var hist = cap.history || [], ahead = cap.ahead || [];
+    var hist = cap.history || [];
+    var ahead = (cap.ahead_values || []).map(function (v, i) { return [nowTs + i * cap.ahead_step_s, v]; });
     var t0 = hist.length ? Math.min(hist[0][0], nowTs - 3600) : nowTs - 3600;
     var t1 = ahead.length ? ahead[ahead.length - 1][0] : nowTs + 3600;
     var ymax = 4;
@@ -473,7 +474,6 @@
   }
   function delta(d) {
     S.ts = d.ts;
-    S.generated_at = d.generated_at;
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     if (d.pool) { merge(S.pool, d.pool); renderPool(S.pool); }
     ["top", "top_n", "red", "workers", "resources"].forEach(function (k) { if (k in d) S[k] = d[k]; });
