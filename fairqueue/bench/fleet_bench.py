@@ -98,7 +98,11 @@ def _reset() -> None:
     limits_pushed_forget()
 
 
-def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -> None:
+def fleet_seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None], *, busy: int | None = None) -> None:
+    """T tenants `t<i>` on S shards `bench<i>`, written in bulk; the first `busy` of them (all
+    by default) with one running job each and the waiting jobs spread over them, parked
+    behind it. The dashboard's browser test at ten thousand tenants seeds with it too."""
+    busy = tenants if busy is None else busy
     default_class = LatencyClass.objects.filter(name="default").first()
     rows = Shard.objects.bulk_create([Shard(name=f"bench{i}", capacity=SHARD_CAPACITY) for i in range(shards)])
     Tenant.objects.bulk_create(
@@ -120,7 +124,7 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
     for shard in rows:
         engine().init_tag(tag=shard_tag(shard.name))
     cells.cells_rebuild()
-    objs = list(Tenant.objects.select_related("shard").order_by("id"))
+    objs = list(Tenant.objects.select_related("shard").order_by("id"))[:busy]
     now = timezone.now()
     running = [
         Job(
@@ -149,7 +153,7 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
             for t, j in zip(objs, running, strict=True)
         ]
     )
-    log(f"  seeded {tenants} tenants on {shards} shards, one running job each")
+    log(f"  seeded {tenants} tenants on {shards} shards, one running job each for {busy} of them")
     # The waiting jobs: rows as the admission leaves them (parked behind the running job,
     # the tenant's limit being 1), the engine's admits, the cells; written in bulk, since
     # the submit path is not what this bench measures.
@@ -158,12 +162,12 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
         jobs = [
             Job(
                 id=uuid.uuid4(),
-                tenant=objs[i % tenants],
+                tenant=objs[i % busy],
                 task="demo.noop",
                 latency_class="default",
                 status=JobStatus.PARKED,
-                engine_tag=shard_tag(objs[i % tenants].shard.name),
-                engine_keys=KEY_SEPARATOR.join([tenant_key(objs[i % tenants].slug), SHARD_KEY]),
+                engine_tag=shard_tag(objs[i % busy].shard.name),
+                engine_keys=KEY_SEPARATOR.join([tenant_key(objs[i % busy].slug), SHARD_KEY]),
             )
             for i in range(start, min(waiting, start + chunk))
         ]
@@ -327,7 +331,7 @@ def run(*, quick: bool, log: Callable[[str], None], database_label: str) -> dict
     for workers, tenants, waiting in CASES[size]:
         log(f"case: {workers} workers, {tenants} tenants, {waiting} waiting")
         _reset()
-        _seed(tenants, waiting, SHARDS[size], log)
+        fleet_seed(tenants, waiting, SHARDS[size], log)
         duty = _Fleet(workers).run(RUN_SECONDS[size])
         snapshot_ms = _median_ms(lambda: snapshot_build(with_history=False))
         scrape_ms = _median_ms(_scrape)

@@ -100,8 +100,10 @@
     setText("total-throttled", t.throttled);
     setText("total-red", t.red);
     setText("total-orange", t.orange);
-    setText("tenants-summary", "(the " + S.top_n + " that need attention most: red and orange waits first, then " +
-      "waiting jobs, in flight, pressure; " + t.tenants + " in all; pinned and found ones above them)");
+    var order = "red and orange waits first, then waiting jobs, in flight, pressure";
+    setText("tenants-summary", t.tenants <= S.top_n ? "(all " + t.tenants + ", " + order + ")" :
+      "(the " + S.top_n + " of " + t.tenants + " that need attention most: " + order +
+      "; pinned and found ones above them)");
   }
 
   // --- The grid: one row per shown shard, one cell per class, updated in place -------------
@@ -338,7 +340,7 @@
     }
     var t = S && S.rows[opened];
     setText("detail-slug", opened);
-    setText("detail-name", t ? t.name : "");
+    setText("detail-name", t && t.name !== opened ? t.name : "");
     document.getElementById("detail-admin").href = adminUrl.replace("__slug__", encodeURIComponent(opened));
     setText("detail-pin", pinned.indexOf(opened) >= 0 ? "Unpin" : "Pin");
     setText("detail-limit", t ? t.limit : "…");
