@@ -31,7 +31,7 @@ Delta shape::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 DICT_SECTIONS = ("pool", "totals", "capacity")  # sent as the keys that changed
@@ -53,6 +53,30 @@ def _changed(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
 
 def _without_history(cell: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cell.items() if k != "history"}
+
+
+def _entries_diff(
+    new: dict[str, dict[str, Any]],
+    kept: dict[str, dict[str, Any]],
+    *,
+    keep: Collection[str],
+    kept_as: Callable[[dict[str, Any]], dict[str, Any]] = lambda entry: entry,
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Per entry of `new`: the whole entry if the page lacks it, else the fields that
+    changed; then the keys the page has that are not in `keep`, dropped. `kept` (what the
+    page has, each entry as `kept_as` makes it) is brought up to date."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, entry in new.items():
+        had = kept.get(key)
+        plain = kept_as(entry)
+        changed = entry if had is None else _changed(plain, had)
+        if changed:
+            out[key] = changed
+        kept[key] = plain
+    gone = [key for key in kept if key not in keep]
+    for key in gone:
+        del kept[key]
+    return out, gone
 
 
 class PageView:
@@ -118,17 +142,7 @@ class PageView:
                 frame[key] = picture[key]
         self.sections = {k: picture[k] for k in (*DICT_SECTIONS, *WHOLE_SECTIONS)}
 
-        rows_out: dict[str, dict[str, Any]] = {}
-        for slug, row in self._wanted(picture).items():
-            had = self.rows.get(slug)
-            changed = row if had is None else _changed(row, had)
-            if changed:
-                rows_out[slug] = changed
-            self.rows[slug] = row
-        keep = set(picture["top"]) | self.own
-        gone = [slug for slug in self.rows if slug not in keep]
-        for slug in gone:
-            del self.rows[slug]
+        rows_out, gone = _entries_diff(self._wanted(picture), self.rows, keep=set(picture["top"]) | self.own)
         if rows_out:
             frame["rows"] = rows_out
         if gone:
@@ -137,17 +151,7 @@ class PageView:
         grid = picture["grid"]
         grid_out: dict[str, Any] = {k: grid[k] for k in GRID_WHOLE if grid[k] != self.grid[k]}
         self.grid = {k: grid[k] for k in GRID_WHOLE}
-        cells_out: dict[str, dict[str, Any]] = {}
-        for key, cell in grid["cells"].items():
-            had = self.cells.get(key)
-            plain = _without_history(cell)
-            changed = cell if had is None else _changed(plain, had)
-            if changed:
-                cells_out[key] = changed
-            self.cells[key] = plain
-        cells_gone = [key for key in self.cells if key not in grid["cells"]]
-        for key in cells_gone:
-            del self.cells[key]
+        cells_out, cells_gone = _entries_diff(grid["cells"], self.cells, keep=grid["cells"], kept_as=_without_history)
         if cells_out:
             grid_out["cells"] = cells_out
         if cells_gone:

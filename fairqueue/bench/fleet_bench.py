@@ -14,9 +14,10 @@ wrapper on the ticking thread's connection); then the median dashboard snapshot 
 /metrics scrape (the collector without its cache, rendered as Prometheus text) and the
 median engine admit of a fresh job (its mean too, as `admit_us_mean`); last, the size of
 the dashboard's websocket frames as one page gets them (dashboard.frames, compact JSON as
-sent): the first picture (`frame_first_bytes`), then the largest and the median of the
-frames of FRAME_TICKS ticks a second apart (`frame_update_bytes_max`, `_median`), each
-from a tick's build (`picture_build(record=True)`, as the ticker makes it).
+sent): the first picture, every cell's history full (`frame_first_bytes`), then the
+largest and the median of the frames of FRAME_TICKS ticks a second apart
+(`frame_update_bytes_max`, `_median`), each from a tick's build (`picture_build(record=True)`,
+as the ticker makes it).
 
 INFO commandstats counts the whole Redis server: give the bench a server no one else uses
 while it runs (another database of the same server counts too).
@@ -49,7 +50,7 @@ from prometheus_client import CollectorRegistry
 from dashboard.frames import PageView, frame_encode
 from dashboard.metrics import FairQueueCollector, metrics_render
 from dashboard.picture import picture_build
-from dashboard.snapshot import snapshot_build
+from dashboard.snapshot import HISTORY_LEN, snapshot_build
 from dashboard.ticker import TICK_SECONDS as DASHBOARD_TICK_SECONDS
 from fairqueue.bench import stack
 from fairqueue.engine import AdmitRequest
@@ -291,7 +292,10 @@ def _scrape() -> bytes:
 
 
 def _frame_bytes(ticks: int) -> dict[str, int]:
-    """One page's first frame and the frames of the next `ticks` ticks, in bytes."""
+    """One page's first frame, with every cell's history full (as two minutes of ticks
+    leave it), and the frames of the next `ticks` ticks, in bytes."""
+    for _ in range(HISTORY_LEN - 1):
+        snapshot_build(record=True)
     page = PageView()
     first = len(frame_encode(page.first(picture_build(record=True))).encode())
     updates = []
