@@ -14,9 +14,10 @@ searched for, opened) and what it was last sent. From each tick's picture
   history) and the cells to drop. A tick that changed nothing the page shows sends its
   time alone: an idle tenant costs nothing.
 
-A cell's history is sent once. On every later frame the page appends each cell's oldest
-age (0 when nothing waits) to the history it keeps, as the tick's build appends it in
-Redis: each frame after the first comes from one tick's build.
+A cell's history is sent once (`history_runs`, dashboard.picture). On every later frame
+the page appends each cell's oldest age (0 when nothing waits) to the history it keeps, as
+the tick's build appends it in Redis: each frame after the first comes from one tick's
+build.
 
 Delta shape::
 
@@ -52,7 +53,7 @@ def _changed(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
 
 
 def _without_history(cell: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in cell.items() if k != "history"}
+    return {k: v for k, v in cell.items() if k != "history_runs"}
 
 
 def _entries_diff(

@@ -24,17 +24,23 @@ Shape::
      "rows": {slug: row},                      # the snapshot's tenant row (ages to 0.1 s)
      "grid": {"classes": [...], "shards": [shard, ...] (shown, worst first), "shards_total",
               "counts": {"red", "orange", "green"},
-              "cells": {"<shard>/<class>": cell}},   # the snapshot's cell, history to 0.1 s
+              "cells": {"<shard>/<class>": cell}},   # the snapshot's cell, its history as runs
      "red": {"cells": [cell without history, ...], "total"},
      "workers": [...], "resources": [...],
      "capacity": {... as the snapshot's, but "ahead" as "ahead_values": [slots, ...] one every
                   "ahead_step_s" from "ts"}}
+
+A cell's history travels as `history_runs`: whole seconds, the oldest
+value then (step, count) pairs, each step repeated count times. An oldest wait grows by a
+second a tick and an empty cell stays at 0, so two minutes of a cell are a few numbers,
+not 120 (the page decodes them once, then appends each tick's age itself).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from django.conf import settings
@@ -76,12 +82,28 @@ def picture_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def history_runs(values: Sequence[float]) -> list[int]:
+    """A history in whole seconds as [first, step, count, step, count, ...]: the values
+    after the first are the steps from one to the next, equal steps in a row written once."""
+    seconds = [round(v) for v in values]
+    if not seconds:
+        return []
+    runs = [seconds[0]]
+    for a, b in itertools.pairwise(seconds):
+        step = b - a
+        if len(runs) > 1 and runs[-2] == step:
+            runs[-1] += 1
+        else:
+            runs += [step, 1]
+    return runs
+
+
 def _cell(cell: dict[str, Any], *, history: bool) -> dict[str, Any]:
     out = {k: v for k, v in cell.items() if k != "history"}
     if out["oldest_age_s"] is not None:
         out["oldest_age_s"] = _tenth(out["oldest_age_s"])
     if history:
-        out["history"] = [_tenth(v) for v in cell["history"]]
+        out["history_runs"] = history_runs(cell["history"])
     return out
 
 

@@ -9,11 +9,11 @@ import time
 from datetime import timedelta
 
 from django.conf import settings
-from django.test import override_settings
+from django.test import SimpleTestCase, override_settings
 from django.utils import timezone
 
 from dashboard.frames import PageView, frame_encode
-from dashboard.picture import GRID_SHARDS, LATEST_KEY, picture_build, picture_latest, picture_make
+from dashboard.picture import GRID_SHARDS, LATEST_KEY, history_runs, picture_build, picture_latest, picture_make
 from dashboard.snapshot import snapshot_build
 from dashboard.tenant_history import tenant_history_key, tenant_history_read
 from dashboard.watched import WATCH_SECONDS, watched_add, watched_read
@@ -31,6 +31,17 @@ def waiting_job(tenant: Tenant, latency_class: str, age_s: float) -> None:
     """A job that has waited `age_s` (its row written straight; `cells.cells_rebuild` reads it)."""
     job = Job.objects.create(tenant=tenant, task="demo.sleep", latency_class=latency_class)
     Job.objects.filter(id=job.id).update(submitted_at=timezone.now() - timedelta(seconds=age_s))
+
+
+def runs_decode(runs: list[int]) -> list[float]:
+    """A history sent as runs (dashboard.picture.history_runs), as dashboard.js's cellDecode reads it."""
+    if not runs:
+        return []
+    values = [float(runs[0])]
+    for step, count in zip(runs[1::2], runs[2::2], strict=True):
+        for _ in range(count):
+            values.append(values[-1] + step)
+    return values
 
 
 def idle_tenants_bulk(count: int, *, prefix: str, shard: str = "default") -> None:
@@ -156,9 +167,20 @@ class GridTests(RedisTestCase):
         self.assertEqual(len(grid["cells"]), GRID_SHARDS * len(grid["classes"]))
         red = grid["cells"]["s17/critical"]
         self.assertEqual((red["state"], red["waiting"]), ("red", 1))
-        self.assertIsInstance(red["history"], list)
+        self.assertIsInstance(red["history_runs"], list)
         self.assertEqual(
             [(c["shard"], c["class"]) for c in picture["red"]["cells"]], [("s17", "critical")], picture["red"]
         )
         self.assertEqual(picture["red"]["total"], 1)
         self.assertNotIn("history", picture["red"]["cells"][0])
+
+
+class HistoryRunsTests(SimpleTestCase):
+    def test_a_history_as_runs_of_equal_steps(self) -> None:
+        self.assertEqual(history_runs([]), [])
+        self.assertEqual(history_runs([0.0] * 120), [0, 0, 119])  # an empty cell: three numbers
+        growing = [286.3 + i for i in range(120)]  # an oldest wait, a second older every tick
+        self.assertEqual(history_runs(growing), [286, 1, 119])
+        jumpy = [10.2, 11.4, 0.0, 0.0, 1.1, 2.0, 3.0]  # the oldest job started, a new one waits
+        self.assertEqual(history_runs(jumpy), [10, 1, 1, -11, 1, 0, 1, 1, 3])
+        self.assertEqual(runs_decode(history_runs(jumpy)), [10, 11, 0, 0, 1, 2, 3])

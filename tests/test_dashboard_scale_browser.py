@@ -7,7 +7,8 @@ objective (red), 20 past it (orange); the rest idle. A tenant with an API key ge
 through the HTTP API while the page is open. Measured, as the issue states its targets:
 
 - every websocket frame's size as Chromium receives it (Playwright's websocket events):
-  each frame after the first picture at most FRAME_BYTES_MAX;
+  the first picture (every cell's history seeded full, as two minutes of ticks leave it)
+  and each frame after it at most FRAME_BYTES_MAX;
 - the main thread's responsiveness while frames arrive: a timer in the page that should
   fire every TIMER_MS records the largest gap between two of its runs over the whole run
   (a trivial script waits at most that long); at most GAP_MS_MAX. Long tasks (the
@@ -18,7 +19,8 @@ through the HTTP API while the page is open. Measured, as the issue states its t
 - search: a tenant outside the top N is found by slug, shows its live row, is pinned (kept
   in the browser across a reload) and opened (its sparklines and admin link).
 
-The figures go to var/test-output/dashboard-scale.json; screenshot dashboard-scale.png.
+The figures go to var/test-output/dashboard-scale.json; screenshots dashboard-scale.png
+(the page) and dashboard-scale-tenants.png (the tenant panel; docs/img/ has a copy).
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
+import redis
 from django.utils import timezone
 
+from dashboard.snapshot import HISTORY_LEN, history_key, snapshot_build
 from fairqueue.bench.fleet_bench import fleet_seed
 from fairqueue.jobs import cells
 from fairqueue.jobs.models import Job, JobStatus
@@ -81,6 +85,18 @@ RESPONSIVENESS_PROBE = """(timerMs) => {
 }"""
 
 
+def seed_cell_histories(client: redis.Redis) -> None:
+    """Every cell's history as two minutes of ticks would have left it (the tick appends the
+    cell's oldest age each second): the first picture is measured at its full size."""
+    pipe = client.pipeline(transaction=False)
+    for cell in snapshot_build(with_history=False)["cells"]:
+        age = cell["oldest_age_s"] or 0.0
+        key = history_key(cell["shard"], cell["class"])
+        # Oldest first, so that the newest ends up first, as the tick keeps it.
+        pipe.lpush(key, *[f"{max(0.0, age - (HISTORY_LEN - i)):.3f}" for i in range(HISTORY_LEN)])
+    pipe.execute()
+
+
 class DashboardAtScaleTests(RedisTransactionTestCase):
     serialized_rollback = True
 
@@ -97,6 +113,7 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
             Job.objects.filter(tenant__slug__in=slugs, status=JobStatus.PARKED).update(submitted_at=now - age)
         cells.cells_rebuild()  # rows written straight to the database reach the cells so
         self.tenant, self.key = make_tenant("acme", max_concurrency=2)
+        seed_cell_histories(self.redis)
         self.server = web_server(production=True, processes=2)
         self.server.start()
         self.addCleanup(self.server.stop)
@@ -196,6 +213,7 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
                 page.wait_for_timeout(3000)  # a few ticks draw its sparklines
                 expect(page.locator("#detail-spark-in-flight polyline")).not_to_have_attribute("points", "")
                 page.screenshot(path=str(OUTPUT / "dashboard-scale.png"), full_page=True)
+                page.locator("#tenant-panel").screenshot(path=str(OUTPUT / "dashboard-scale-tenants.png"))
 
                 page.reload()  # the pin is kept in this browser
                 pinned = page.locator("#tenants-pinned tr[data-tenant=t9999]")
@@ -225,5 +243,6 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
         print(f"\ndashboard at scale: {json.dumps(figures)}")
         self.assertGreaterEqual(len(measured), WATCH_SECONDS // 2, "a frame about every second")
         self.assertLessEqual(figures["frame_bytes_max"], FRAME_BYTES_MAX, figures)
+        self.assertLessEqual(figures["first_picture_bytes"], FRAME_BYTES_MAX, figures)
         self.assertLessEqual(figures["main_thread_gap_ms_max"], GAP_MS_MAX, figures)
         self.assertLessEqual(figures["first_render_ms"], FIRST_RENDER_MS_MAX, figures)

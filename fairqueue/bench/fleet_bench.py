@@ -298,7 +298,7 @@ def _frame_bytes(ticks: int) -> dict[str, int]:
         snapshot_build(record=True)
     page = PageView()
     first = len(frame_encode(page.first(picture_build(record=True))).encode())
-    updates = []
+    updates: list[int] = []
     while len(updates) < ticks:
         time.sleep(DASHBOARD_TICK_SECONDS)
         frame = page.next(picture_build(record=True))

@@ -461,8 +461,24 @@
       if (changed[k] === null) delete into[k]; else into[k] = changed[k];
     });
   }
+  // A cell's history arrives once as runs (dashboard/picture.py): the oldest value in
+  // seconds, then (step, count) pairs.
+  function cellDecode(c) {
+    var runs = c.history_runs || [], out = [];
+    if (runs.length) {
+      var v = runs[0];
+      out.push(v);
+      for (var i = 1; i < runs.length; i += 2) {
+        for (var k = 0; k < runs[i + 1]; k++) { v += runs[i]; out.push(v); }
+      }
+    }
+    delete c.history_runs;
+    c.history = out;
+    return c;
+  }
   function picture(p) {
     S = p;
+    Object.keys(S.grid.cells).forEach(function (key) { cellDecode(S.grid.cells[key]); });
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     renderPool(S.pool);
     renderTotals(S.totals);
@@ -498,7 +514,7 @@
     });
     Object.keys(cells).forEach(function (key) {
       var c = cells[key];
-      if (c.history) { g.cells[key] = c; return; }  // new to this page: whole, with its history
+      if (c.history_runs) { g.cells[key] = cellDecode(c); return; }  // new to this page: whole, with its history
       merge(g.cells[key], c);
       g.cells[key].history.push(g.cells[key].oldest_age_s || 0);
       if (g.cells[key].history.length > HISTORY_LEN) g.cells[key].history.shift();
