@@ -9,10 +9,12 @@ through the HTTP API while the page is open. Measured, as the issue states its t
 - every websocket frame's size as Chromium receives it (Playwright's websocket events):
   the first picture (every cell's history seeded full, as two minutes of ticks leave it)
   and each frame after it at most FRAME_BYTES_MAX;
-- the main thread's responsiveness while frames arrive: a timer in the page that should
-  fire every TIMER_MS records the largest gap between two of its runs over the whole run
-  (a trivial script waits at most that long); at most GAP_MS_MAX. Long tasks (the
-  browser's PerformanceObserver) and the page's own time per frame are recorded beside it;
+- the main thread's responsiveness while frames arrive: a timer in the page, due every
+  TIMER_MS, records how late it ran at worst over the whole run (a trivial script queued at
+  any moment waits at most that long); at most LATE_MS_MAX. Recorded beside it: the same
+  probe on a blank page open alongside (what the loaded machine alone costs a timer), long
+  tasks and long animation frames (the browser's PerformanceObserver) and the page's own
+  time per frame;
 - the first render: from the page's navigation to the first picture drawn, at most
   FIRST_RENDER_MS_MAX once the dashboard is live (the tick's picture kept in Redis); the
   first open of a cold server (its first build of ten thousand rows) is recorded too;
@@ -33,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 import redis
+from django.test import tag
 from django.utils import timezone
 
 from dashboard.snapshot import HISTORY_LEN, history_key, snapshot_build
@@ -56,7 +59,7 @@ LATE = 20  # busy tenants whose jobs wait past twice the objective (default clas
 OVER = 20  # and past it
 TOP_N = 50  # the setting's default
 FRAME_BYTES_MAX = 50 * 1024  # the issue's targets
-GAP_MS_MAX = 100
+LATE_MS_MAX = 100
 FIRST_RENDER_MS_MAX = 1000
 TIMER_MS = 10
 WATCH_SECONDS = 20  # frames measured while the page is watched
@@ -64,17 +67,18 @@ WATCH_SECONDS = 20  # frames measured while the page is watched
 ACME_JOBS = 12
 ACME_JOB_SECONDS = 3
 
-# In the page: a timer due every TIMER_MS, the largest gap between two of its runs, and the
-# longest task the browser reports.
+# In the page: a timer due every TIMER_MS and how late it ran at worst (a trivial script
+# queued at any moment waits at most that long); the longest task and the longest animation
+# frame (script, style, layout and paint of one frame) the browser reports over 50 ms.
 RESPONSIVENESS_PROBE = """(timerMs) => {
-  const probe = window.__probe = {maxGapMs: 0, runs: 0, longTaskMs: 0, longTasks: 0};
-  let last = performance.now();
+  const probe = window.__probe = {maxLateMs: 0, runs: 0, longTaskMs: 0, longTasks: 0, longFrameMs: 0};
+  let due = performance.now() + timerMs;
   (function tick() {
     const now = performance.now();
-    probe.maxGapMs = Math.max(probe.maxGapMs, now - last);
+    probe.maxLateMs = Math.max(probe.maxLateMs, now - due);
     probe.runs += 1;
-    last = now;
-    probe.timer = setTimeout(tick, timerMs);
+    due = now + timerMs;
+    setTimeout(tick, timerMs);
   })();
   new PerformanceObserver((list) => {
     for (const entry of list.getEntries()) {
@@ -82,6 +86,17 @@ RESPONSIVENESS_PROBE = """(timerMs) => {
       probe.longTaskMs = Math.max(probe.longTaskMs, entry.duration);
     }
   }).observe({type: "longtask"});
+  new PerformanceObserver((list) => {
+    for (const entry of list.getEntries()) {
+      if (entry.duration <= probe.longFrameMs) continue;
+      probe.longFrameMs = entry.duration;
+      probe.longFrame = {  // where the longest frame's time went
+        scriptsMs: entry.scripts.reduce((sum, s) => sum + s.duration, 0),
+        beforeRenderMs: entry.renderStart ? entry.renderStart - entry.startTime : entry.duration,
+        styleAndLayoutMs: entry.styleAndLayoutStart ? entry.startTime + entry.duration - entry.styleAndLayoutStart : 0,
+      };
+    }
+  }).observe({type: "long-animation-frame"});
 }"""
 
 
@@ -97,6 +112,9 @@ def seed_cell_histories(client: redis.Redis) -> None:
     pipe.execute()
 
 
+# The main thread's lateness is a time measured on a shared machine: `make test` runs it
+# tagged "serial", on its own after the shards, so the suite's other processes do not skew it.
+@tag("serial")
 class DashboardAtScaleTests(RedisTransactionTestCase):
     serialized_rollback = True
 
@@ -162,7 +180,7 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
                 page.reload()
                 figures["first_render_ms"] = round(self.first_render_ms(page))
                 expect(page.locator("#conn-state")).to_have_text("live", timeout=10_000)
-                frames = sockets[-1]  # the reloaded page's
+                opened_before = len(sockets) - 1  # the reloaded page's sockets from here on
 
                 # The table: the top N, the red tenants first; the totals over all of them.
                 top = page.locator("#tenants-top tr[data-tenant]")
@@ -177,7 +195,10 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
                 expect(page.locator("#grid tbody tr")).to_have_count(20)
                 expect(page.locator("#grid-summary")).to_contain_text(f"of {SHARDS + 1} shards")
 
-                # Frames arrive while the page is measured; the API's jobs move acme's row.
+                # Frames arrive while the page is measured; the API's jobs move acme's row. A
+                # blank page beside it runs the same probe: the machine's own scheduling noise.
+                blank = browser.new_page()
+                blank.evaluate(RESPONSIVENESS_PROBE, TIMER_MS)
                 page.evaluate(RESPONSIVENESS_PROBE, TIMER_MS)
                 started = time.monotonic()
                 evaluate_ms = []
@@ -190,7 +211,10 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
                     if not acme_shown and page.locator("tr[data-tenant=acme]").count():
                         acme_shown = True
                     page.wait_for_timeout(100)
+                watched_sockets = len(sockets)
                 probe = page.evaluate("window.__probe")
+                blank_probe = blank.evaluate("window.__probe")
+                blank.close()
                 stats = page.evaluate("window.fqDashboard")
                 self.assertTrue(acme_shown, "the tenant with running jobs came into the top N")
 
@@ -225,16 +249,27 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
             finally:
                 browser.close()
 
-        measured = [size for when, size in frames[1:] if started <= when <= started + WATCH_SECONDS]
+        # Every socket the reloaded page opened (it reconnects if the server drops one): the
+        # first frame of each is a picture, the others deltas.
+        watched = [frames for frames in sockets[opened_before:watched_sockets] if frames]
+        pictures = [frames[0][1] for frames in sockets[opened_before:] if frames]
+        measured = [
+            size for frames in watched for when, size in frames[1:] if started <= when <= started + WATCH_SECONDS
+        ]
         figures.update(
-            first_picture_bytes=frames[0][1],
+            first_picture_bytes=pictures[0],
+            picture_bytes_max=max(pictures),
+            reconnects_while_watched=len(watched) - 1,
             frames_measured=len(measured),
             frame_bytes_max=max(measured),
             frame_bytes_median=sorted(measured)[len(measured) // 2],
-            main_thread_gap_ms_max=round(probe["maxGapMs"], 1),
+            main_thread_late_ms_max=round(probe["maxLateMs"], 1),
+            blank_page_late_ms_max=round(blank_probe["maxLateMs"], 1),
             timer_runs=probe["runs"],
             long_tasks=probe["longTasks"],
             long_task_ms_max=round(probe["longTaskMs"], 1),
+            long_animation_frame_ms_max=round(probe["longFrameMs"], 1),
+            long_animation_frame=probe.get("longFrame"),
             page_ms_per_frame_max=round(stats["maxHandleMs"], 1),
             evaluate_roundtrip_ms_max=round(max(evaluate_ms), 1),
             load_average=os.getloadavg()[0],
@@ -243,6 +278,6 @@ class DashboardAtScaleTests(RedisTransactionTestCase):
         print(f"\ndashboard at scale: {json.dumps(figures)}")
         self.assertGreaterEqual(len(measured), WATCH_SECONDS // 2, "a frame about every second")
         self.assertLessEqual(figures["frame_bytes_max"], FRAME_BYTES_MAX, figures)
-        self.assertLessEqual(figures["first_picture_bytes"], FRAME_BYTES_MAX, figures)
-        self.assertLessEqual(figures["main_thread_gap_ms_max"], GAP_MS_MAX, figures)
+        self.assertLessEqual(figures["picture_bytes_max"], FRAME_BYTES_MAX, figures)
+        self.assertLessEqual(figures["main_thread_late_ms_max"], LATE_MS_MAX, figures)
         self.assertLessEqual(figures["first_render_ms"], FIRST_RENDER_MS_MAX, figures)
