@@ -6,13 +6,13 @@ searched for, opened) and what it was last sent. From each tick's picture
 
 - the first frame (`"t": "picture"`): the picture, its rows cut to the top N and the
   page's own tenants;
-- every later one (`"t": "delta"`): for the pool, the totals and capacity, the keys whose
-  value changed; the top's order, the red cells, the workers and the resources whole when
-  they changed; per tenant row the fields that changed (a row new to the page: whole) and
-  the rows the page should drop (`gone`); the grid's shards, classes and counts when they
-  changed, per cell the fields that changed (a cell new to the page: whole, with its
-  history) and the cells to drop. A tick that changed nothing the page shows sends its
-  time alone: an idle tenant costs nothing.
+- every later one (`"t": "delta"`): for the pool, the totals, capacity and the
+  dependencies, the keys whose value changed; the top's order, the red cells, the workers
+  and the resources whole when they changed; per tenant row the fields that changed (a
+  row new to the page: whole) and the rows the page should drop (`gone`); the grid's
+  shards, classes and counts when they changed, per cell the fields that changed (a cell
+  new to the page: whole, with its history) and the cells to drop. A tick that changed
+  nothing the page shows sends its time alone: an idle tenant costs nothing.
 
 A cell's history is sent once (`history_runs`, dashboard.picture). On every later frame
 the page appends each cell's oldest age (0 when nothing waits) to the history it keeps, as
@@ -22,7 +22,7 @@ build.
 Delta shape::
 
     {"t": "delta", "ts",
-     "pool"?: {key: value}, "totals"?: {...}, "capacity"?: {...},
+     "pool"?: {key: value}, "totals"?: {...}, "capacity"?: {...}, "dependencies"?: {...},
      "top"?: [slug, ...], "top_n"?: n, "red"?: {...}, "workers"?: [...], "resources"?: [...],
      "rows"?: {slug: {field: value}}, "gone"?: [slug, ...],
      "grid"?: {"classes"?, "shards"?, "shards_total"?, "counts"?,
@@ -35,7 +35,7 @@ import json
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-DICT_SECTIONS = ("pool", "totals", "capacity")  # sent as the keys that changed
+DICT_SECTIONS = ("pool", "totals", "capacity", "dependencies")  # sent as the keys that changed
 WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources")  # sent whole when changed
 GRID_WHOLE = ("classes", "shards", "shards_total", "counts")
 

@@ -53,7 +53,7 @@ class PageState:
         assert d["t"] == "delta"
         s = self.s
         s["ts"] = d["ts"]
-        for key in ("pool", "totals", "capacity"):
+        for key in ("pool", "totals", "capacity", "dependencies"):
             if key in d:
                 _merge(s[key], d[key])
         for key in ("top", "top_n", "red", "workers", "resources"):

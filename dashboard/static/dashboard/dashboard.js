@@ -523,6 +523,7 @@
     if ("red" in d) renderRed();
     if (d.rows || d.gone || "top" in d) renderTenants();
     if (d.capacity) { merge(S.capacity, d.capacity); renderCapacity(); }
+    if (d.dependencies) merge(S.dependencies, d.dependencies);
     if ("workers" in d) renderWorkers();
     if ("resources" in d) renderResources();
     openedRecord();
