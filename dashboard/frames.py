@@ -7,12 +7,12 @@ searched for, opened) and what it was last sent. From each tick's picture
 - the first frame (`"t": "picture"`): the picture, its rows cut to the top N and the
   page's own tenants;
 - every later one (`"t": "delta"`): for the pool, the totals, capacity and the
-  dependencies, the keys whose value changed; the top's order, the red cells, the workers
-  and the resources whole when they changed; per tenant row the fields that changed (a
-  row new to the page: whole) and the rows the page should drop (`gone`); the grid's
-  shards, classes and counts when they changed, per cell the fields that changed (a cell
-  new to the page: whole, with its history) and the cells to drop. A tick that changed
-  nothing the page shows sends its time alone: an idle tenant costs nothing.
+  dependencies, the keys whose value changed; the top's order, the red cells, the workers,
+  the resources and the policy changes whole when they changed; per tenant row the fields
+  that changed (a row new to the page: whole) and the rows the page should drop (`gone`);
+  the grid's shards, classes and counts when they changed, per cell the fields that
+  changed (a cell new to the page: whole, with its history) and the cells to drop. A tick
+  that changed nothing the page shows sends its time alone: an idle tenant costs nothing.
 
 A cell's history is sent once (`history_runs`, dashboard.picture). On every later frame
 the page appends each cell's oldest age (0 when nothing waits) to the history it keeps, as
@@ -24,6 +24,7 @@ Delta shape::
     {"t": "delta", "ts",
      "pool"?: {key: value}, "totals"?: {...}, "capacity"?: {...}, "dependencies"?: {...},
      "top"?: [slug, ...], "top_n"?: n, "red"?: {...}, "workers"?: [...], "resources"?: [...],
+     "policy_changes"?: [...],
      "rows"?: {slug: {field: value}}, "gone"?: [slug, ...],
      "grid"?: {"classes"?, "shards"?, "shards_total"?, "counts"?,
                "cells"?: {key: {field: value}}, "gone"?: [key, ...]}}
@@ -36,7 +37,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 DICT_SECTIONS = ("pool", "totals", "capacity", "dependencies")  # sent as the keys that changed
-WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources")  # sent whole when changed
+WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources", "policy_changes")  # sent whole when changed
 GRID_WHOLE = ("classes", "shards", "shards_total", "counts")
 
 

@@ -13,8 +13,8 @@ through the channel layer; each page's consumer turns it into that page's frame
 - the grid's GRID_SHARDS shards that need attention most (red and orange cells first),
   their cells with their history, and every cell counted by colour; the worst RED_SHOWN
   red cells and how many there are;
-- the pool, the workers, capacity, the outside resources and which services answer, as the
-  snapshot has them.
+- the pool, the workers, capacity, the outside resources, which services answer and the
+  latest policy changes, as the snapshot has them.
 
 Shape::
 
@@ -28,6 +28,7 @@ Shape::
               "cells": {"<shard>/<class>": cell}},   # the snapshot's cell, its history as runs
      "red": {"cells": [cell without history, ...], "total"},
      "workers": [...], "resources": [...], "dependencies": {name: answers now},
+     "policy_changes": [...],                  # the latest, drawn as markers on the charts
      "capacity": {... as the snapshot's, but "ahead" as "ahead_values": [slots, ...] one every
                   "ahead_step_s" from "ts"}}
 
@@ -185,6 +186,7 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         "capacity": _capacity(snapshot["capacity"]),
         "resources": snapshot["resources"],
         "dependencies": snapshot["dependencies"],
+        "policy_changes": snapshot["policy_changes"],
     }
 
 

@@ -56,7 +56,7 @@ class PageState:
         for key in ("pool", "totals", "capacity", "dependencies"):
             if key in d:
                 _merge(s[key], d[key])
-        for key in ("top", "top_n", "red", "workers", "resources"):
+        for key in ("top", "top_n", "red", "workers", "resources", "policy_changes"):
             if key in d:
                 s[key] = d[key]
         for slug, row in d.get("rows", {}).items():

@@ -53,7 +53,18 @@
     Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
     return e;
   }
-  // A sparkline drawn once and then moved in place: an SVG, a dashed reference line, a polyline.
+  var HISTORY_TICK_S = 1;  // a cell's history has one point per dashboard tick
+  // A policy change as a marker on a time chart: a vertical line at x, its summary on hover.
+  function changeMarker(m, x, top, bottom) {
+    var line = svgEl("line", { x1: x, x2: x, y1: top, y2: bottom, "class": "policy-change", "data-change": m.id });
+    var title = document.createElementNS(SVG, "title");
+    title.textContent = new Date(m.ts * 1000).toLocaleTimeString() + " " + m.text +
+      (m.user ? " (" + m.user + ", " + m.source + ")" : " (" + m.source + ")");
+    line.appendChild(title);
+    return line;
+  }
+  // A sparkline drawn once and then moved in place: an SVG, a dashed reference line, a
+  // polyline, and the policy changes of its time span as markers.
   function sparkMake(svg, w, h) {
     svg = svg || svgEl("svg", {});
     svg.setAttribute("class", svg.getAttribute("class") || "spark");
@@ -62,11 +73,13 @@
     svg.setAttribute("viewBox", "0 0 " + w + " " + h);
     var line = svgEl("line", { "class": "objective", x1: 0, x2: w, y1: -5, y2: -5 });
     var poly = svgEl("polyline", { "class": "age", points: "" });
-    svg.replaceChildren(line, poly);
-    return { svg: svg, line: line, poly: poly, w: w, h: h, points: null, ref: null };
+    var marks = svgEl("g", { "class": "changes" });
+    svg.replaceChildren(line, poly, marks);
+    return { svg: svg, line: line, poly: poly, marks: marks, w: w, h: h, points: null, ref: null, drawn: "" };
   }
-  // values: numbers, evenly spaced; ref: the dashed line's value (null: none).
-  function sparkDraw(sp, values, ref) {
+  // values: numbers, one per tick up to nowTs; ref: the dashed line's value (null: none);
+  // changes: policy changes ({ts, ...}) to mark where they fall in the span.
+  function sparkDraw(sp, values, ref, changes, nowTs) {
     var w = sp.w, h = sp.h;
     var max = 1;
     for (var i = 0; i < values.length; i++) if (values[i] > max) max = values[i];
@@ -78,6 +91,16 @@
     if (pts !== sp.points) { sp.poly.setAttribute("points", pts); sp.points = pts; }
     var refY = ref === null ? "-5" : y(ref);
     if (refY !== sp.ref) { sp.line.setAttribute("y1", refY); sp.line.setAttribute("y2", refY); sp.ref = refY; }
+    var shown = (changes || []).map(function (m) {
+      return [m, values.length - 1 - (nowTs - m.ts) / HISTORY_TICK_S];
+    }).filter(function (mi) { return mi[1] >= 0 && mi[1] <= values.length - 1; });
+    var drawn = shown.map(function (mi) { return mi[0].id + "@" + (mi[1] * step).toFixed(1); }).join(" ");
+    if (drawn !== sp.drawn) {  // most ticks: no change in the span, nothing to move
+      sp.marks.replaceChildren.apply(sp.marks, shown.map(function (mi) {
+        return changeMarker(mi[0], (mi[1] * step).toFixed(1), 0, h);
+      }));
+      sp.drawn = drawn;
+    }
   }
 
   // --- Pool, totals ------------------------------------------------------------------------
@@ -155,12 +178,12 @@
       put(ce.age, fmtAge(c.oldest_age_s));
       put(ce.sub, c.waiting + " waiting · objective " + fmtAge(c.objective_s));
       ce.td.title = c.shard + " / " + c["class"] + ": " + c.state;
-      sparkDraw(ce.spark, c.history, c.objective_s);
+      sparkDraw(ce.spark, c.history, c.objective_s, S.policy_changes, S.ts);
     });
     var counts = g.counts;
     setText("grid-summary", (g.shards.length < g.shards_total ?
       "The " + g.shards.length + " of " + g.shards_total + " shards that need attention most (red and orange first). " :
-      g.shards_total + " shards. ") + "In all: " + counts.red + " red, " + counts.orange + " orange, " + counts.green + " green cells.");
+      g.shards_total + (g.shards_total === 1 ? " shard. " : " shards. ")) + "In all: " + counts.red + " red, " + counts.orange + " orange, " + counts.green + " green cells.");
   }
 
   function renderRed() {
@@ -398,7 +421,7 @@
   // Capacity: slots live, slots desired and the forecast over the recorded hours, and the
   // forecast ahead of now (dashed). Plain SVG, no library.
   function fmtMinutes(s) { return s >= 3600 ? (s / 3600).toFixed(1) + " h" : Math.round(s / 60) + " min"; }
-  function capacityChart(cap, nowTs) {
+  function capacityChart(cap, nowTs, changes) {
     var W = 760, H = 220, L = 40, R = 34, T = 10, B = 24;
     var hist = cap.history || [];
     var ahead = (cap.ahead_values || []).map(function (v, i) { return [nowTs + i * cap.ahead_step_s, v]; });
@@ -440,6 +463,9 @@
     line(live, "live");
     line(forecast, "forecast");
     line([[nowTs, cap.forecast]].concat(ahead.map(function (p) { return [p[0], p[1]]; })), "ahead");
+    (changes || []).forEach(function (m) {
+      if (m.ts >= t0 && m.ts <= nowTs) svg.appendChild(changeMarker(m, x(m.ts), T, H - B));
+    });
     return svg;
   }
 
@@ -452,7 +478,7 @@
     setText("cap-forecast", cap.forecast);
     setText("cap-desired", cap.desired);
     setText("cap-warmup", fmtMinutes(cap.warmup_s));
-    document.getElementById("capacity-chart").replaceChildren(capacityChart(cap, S.ts));
+    document.getElementById("capacity-chart").replaceChildren(capacityChart(cap, S.ts, S.policy_changes));
   }
 
   // --- Frames ---------------------------------------------------------------------------
@@ -494,7 +520,7 @@
     S.ts = d.ts;
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     if (d.pool) { merge(S.pool, d.pool); renderPool(S.pool); }
-    ["top", "top_n", "red", "workers", "resources"].forEach(function (k) { if (k in d) S[k] = d[k]; });
+    ["top", "top_n", "red", "workers", "resources", "policy_changes"].forEach(function (k) { if (k in d) S[k] = d[k]; });
     if (d.totals || "top_n" in d) { merge(S.totals, d.totals || {}); renderTotals(S.totals); }
     if (d.rows) {
       Object.keys(d.rows).forEach(function (slug) {
@@ -522,7 +548,8 @@
     renderGrid();
     if ("red" in d) renderRed();
     if (d.rows || d.gone || "top" in d) renderTenants();
-    if (d.capacity) { merge(S.capacity, d.capacity); renderCapacity(); }
+    if (d.capacity) merge(S.capacity, d.capacity);
+    if (d.capacity || "policy_changes" in d) renderCapacity();
     if (d.dependencies) merge(S.dependencies, d.dependencies);
     if ("workers" in d) renderWorkers();
     if ("resources" in d) renderResources();
