@@ -33,7 +33,11 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "shards": ["default", ...], "classes": ["critical", "high", "default", "low", "batch"],
       "tenants": [{"slug", "name", "active", "shard", "floor", "limit", "in_flight",
                    "parked_by_class": {class: n}, "parked", "waiting",
-                   "oldest_wait_s" (null when nothing waits), "rate_per_min", "mean_job_s"}],
+                   "oldest_wait_s" (null when nothing waits; the batch lane aside),
+                   "oldest_wait_ratio" (the worst of the tenant's classes' oldest wait over
+                                        the class objective, batch lane included; null when
+                                        nothing waits),
+                   "rate_per_min", "mean_job_s"}],
       "cells": [{"shard", "class", "objective_s", "oldest_age_s", "state", "waiting",
                  "history": [age, ...]}],   # history oldest first, at most HISTORY_LEN ticks
       "red": [cell, ...],                   # the cells whose state is "red"
@@ -136,7 +140,7 @@ def _roster_for(policy: PolicySnapshot) -> _Roster:
             )
             for t in tenants
         ]
-        rows = TenantRows(policy, tenants, keys, limit_keys)
+        rows = TenantRows(policy, tenants, keys, limit_keys, _class_objectives(policy))
         roster = _roster = _Roster(policy, tenants, keys, limit_keys, count_names, rows)
     return roster
 

@@ -10,7 +10,8 @@ on. Each build compares each source as a whole first (dict equality, most of it 
 in C) and looks per tenant only into the sources that differ; a change of the pool
 recomputes each distinct limit once (the memo) and remakes the rows whose figures moved.
 What every build still does per row: a copy of the kept row with its oldest wait's age as
-of the build's `now`.
+of the build's `now`, and for a tenant with waiting jobs the worst of its classes' oldest
+waits against the class's objective (`oldest_wait_ratio`, the batch lane against its own).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ LimitsRaw = tuple[dict[str, str], dict[str, str], dict[str, str]]  # shares, fai
 class _Row:
     memo_key: tuple[Any, ...]  # the limit's inputs but the pool: (policy numbers, signals, figures as read)
     figures: Figures
-    row: dict[str, Any]  # "oldest_wait_s" unset
+    row: dict[str, Any]  # "oldest_wait_s" and "oldest_wait_ratio" unset
     oldest_ts: float | None  # the tenant's oldest waiting job (batch lane aside)
+    waits: tuple[tuple[float, float], ...]  # (oldest job's timestamp, objective) per class with one
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,19 @@ def _changed_keys(new: dict[str, Any], old: dict[str, Any]) -> Iterable[str]:
 
 class TenantRows:
     """The rows of one policy snapshot's tenants (`tenants` in order, `keys` their engine
-    keys, `limit_keys` their policy numbers as a shared id)."""
+    keys, `limit_keys` their policy numbers as a shared id, `objectives` each latency
+    class's objective in seconds, the batch lane's included)."""
 
     def __init__(
-        self, policy: PolicySnapshot, tenants: list[TenantPolicy], keys: list[str], limit_keys: list[int]
+        self,
+        policy: PolicySnapshot,
+        tenants: list[TenantPolicy],
+        keys: list[str],
+        limit_keys: list[int],
+        objectives: dict[str, int],
     ) -> None:
         self.policy = policy
+        self.objectives = objectives
         self.tenants, self.keys, self.limit_keys = tenants, keys, limit_keys
         self.index = {t.slug: i for i, t in enumerate(tenants)}
         # One tenant per policy numbers: the limit formula reads only those of a tenant.
@@ -96,6 +105,9 @@ class TenantRows:
             if oldest_ts is not None:
                 age = now - oldest_ts
                 row["oldest_wait_s"] = round(age, 3) if age > 0.0 else 0.0
+            if kept.waits:
+                ratio = max((now - ts) / objective for ts, objective in kept.waits)
+                row["oldest_wait_ratio"] = round(ratio, 4) if ratio > 0.0 else 0.0
             append(row)
         return out
 
@@ -185,9 +197,15 @@ class TenantRows:
         parked_by_class = {cls: c.waiting for cls, c in parked_cells.items()} if parked_cells else {}
         waiting = 0
         oldest_ts: float | None = None
+        waits = []
         for cls, cell in (inputs.view.of_tenants("t").get(slug) or {}).items():
             waiting += cell.waiting
-            if cls != BATCH_CLASS and cell.oldest_ts is not None and (oldest_ts is None or cell.oldest_ts < oldest_ts):
+            if cell.oldest_ts is None:
+                continue
+            objective = self.objectives.get(cls)
+            if objective:  # a class no longer in policy has no objective to be measured against
+                waits.append((cell.oldest_ts, float(objective)))
+            if cls != BATCH_CLASS and (oldest_ts is None or cell.oldest_ts < oldest_ts):
                 oldest_ts = cell.oldest_ts
         row = {
             "slug": slug,
@@ -201,7 +219,8 @@ class TenantRows:
             "parked": sum(parked_by_class.values()),
             "waiting": waiting,
             "oldest_wait_s": None,  # each build's, as of its `now`
+            "oldest_wait_ratio": None,  # likewise
             "rate_per_min": figures[2],
             "mean_job_s": figures[3],
         }
-        self.rows[i] = _Row(memo_key, figures, row, oldest_ts)
+        self.rows[i] = _Row(memo_key, figures, row, oldest_ts, tuple(waits))

@@ -1,10 +1,12 @@
-"""The broadcaster: once per tick, one process builds the snapshot and fans it out.
+"""The broadcaster: once per tick, one process builds the picture and fans it out.
 
 Every process serving dashboard websockets runs a ticker task while it has watchers
 (or `manage.py dashboard_ticker` runs one on its own, to keep history while nobody
 watches). At each whole second each ticker tries `SET fq:dash:tick:<second> NX`; the one
-that wins builds the snapshot, records the cells' history and sends it to the channels
-group, so a hundred open browsers across ten web processes still cost one build per tick.
+that wins builds the snapshot, records the cells' and the shown tenants' history and sends
+the bounded picture (dashboard.picture) to the channels group, so a hundred open browsers
+across ten web processes still cost one build per tick; each page's consumer sends its
+page what changed (dashboard.frames).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
-from dashboard.snapshot import snapshot_build
+from dashboard.picture import picture_build
 from fairqueue.jobs.failure_log import FailureLog
 from fairqueue.jobs.runtime import redis_client
 
@@ -36,14 +38,14 @@ def tick_claim(tick: int) -> bool:
 
 
 async def tick_once(tick: int) -> dict[str, Any] | None:
-    """Build and broadcast this tick's snapshot if no other process has claimed the tick."""
+    """Build and broadcast this tick's picture if no other process has claimed the tick."""
     if not await database_sync_to_async(tick_claim)(tick):
         return None
-    snapshot = await database_sync_to_async(snapshot_build)(record=True)
+    picture = await database_sync_to_async(picture_build)(record=True)
     layer = get_channel_layer()
     if layer is not None:
-        await layer.group_send(GROUP, {"type": "queue.update", "snapshot": snapshot})
-    return snapshot
+        await layer.group_send(GROUP, {"type": "queue.update", "picture": picture})
+    return picture
 
 
 async def ticker_run(*, tick_seconds: float = TICK_SECONDS) -> None:

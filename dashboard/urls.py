@@ -11,6 +11,7 @@ ASSETS = Path(__file__).resolve().parent / "static" / "dashboard"
 
 urlpatterns: list[URLPattern] = [
     path("dashboard/", views.dashboard_page, name="dashboard"),
+    path("dashboard/tenants/<slug:slug>/admin/", views.tenant_admin, name="dashboard-tenant-admin"),
     # Served by the project itself so the page works under plain daphne with no CDN and
     # no collectstatic; only this app's few files are reachable here.
     re_path(r"^dashboard/assets/(?P<path>[\w.-]+)$", serve, {"document_root": ASSETS}, name="dashboard-asset"),

@@ -272,6 +272,9 @@ FAIRQUEUE = {
     # On SIGTERM, running jobs get this long to finish before they are handed back.
     "SHUTDOWN_GRACE_SECONDS": env.float("FAIRQUEUE_SHUTDOWN_GRACE_SECONDS", default=30.0),
     "METRICS_TOKEN": env.str("FAIRQUEUE_METRICS_TOKEN", default=""),
+    # The live dashboard's tenant table: this many tenants, those that need attention most
+    # (plus the ones a page pins or searches for); the fleet's totals stay exact.
+    "DASHBOARD_TOP_TENANTS": env.int("FAIRQUEUE_DASHBOARD_TOP_TENANTS", default=50),
     # A worker hands back a job whose task (or arguments) its version does not know, for
     # another worker; after this long since the first hand-back the job fails `unknown_task`.
     "HANDBACK_SECONDS": env.float("FAIRQUEUE_HANDBACK_SECONDS", default=300.0),
@@ -334,6 +337,8 @@ FAIRQUEUE = {
 }
 if FAIRQUEUE["ISOLATED_POOL_SIZE"] < 1:
     raise ImproperlyConfigured("FAIRQUEUE_ISOLATED_POOL_SIZE must be at least 1.")
+if FAIRQUEUE["DASHBOARD_TOP_TENANTS"] < 1:
+    raise ImproperlyConfigured("FAIRQUEUE_DASHBOARD_TOP_TENANTS must be at least 1.")
 if FAIRQUEUE["RETENTION_DAYS"] < 0:
     raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
 for _signal in ("MEMORY", "CPU", "PSI_CPU", "PSI_MEMORY", "PSI_IO"):

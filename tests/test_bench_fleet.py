@@ -23,6 +23,9 @@ CASE_KEYS = {
     "snapshot_ms",
     "scrape_ms",
     "admit_us",
+    "frame_first_bytes",
+    "frame_update_bytes_max",
+    "frame_update_bytes_median",
 }
 
 
@@ -46,5 +49,8 @@ class FleetBenchTests(RedisTransactionTestCase):
             self.assertGreater(case["duty_db_queries_per_s"], 0)
             for key in ("snapshot_ms", "scrape_ms", "admit_us"):
                 self.assertGreater(case[key], 0, key)
+            # The first frame is the whole (bounded) picture; a tick's frame says what changed.
+            self.assertGreater(case["frame_first_bytes"], case["frame_update_bytes_max"])
+            self.assertGreater(case["frame_update_bytes_median"], 0)
         # The bench leaves nothing behind it in Redis but its own counters.
         self.assertEqual(self.redis.dbsize(), 0)

@@ -6,6 +6,7 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 
 from tests.base import RedisTestCase
+from tests.factories import make_tenant
 
 
 class DashboardPageTests(RedisTestCase):
@@ -39,3 +40,15 @@ class DashboardPageTests(RedisTestCase):
             self.assertEqual(response.status_code, 200)
             self.assertIn(kind, response["Content-Type"])
         self.assertEqual(self.http.get("/dashboard/assets/..%2Fviews.py").status_code, 404)
+
+    def test_a_tenant_row_links_to_its_admin_page(self) -> None:
+        tenant, _ = make_tenant("acme")
+        url = "/dashboard/tenants/acme/admin/"
+        self.assertIn("/admin/login/", self.http.get(url)["Location"])  # staff only
+        self.http.force_login(self.staff)
+        self.assertRedirects(
+            self.http.get(url), f"/admin/tenants/tenant/{tenant.pk}/change/", fetch_redirect_response=False
+        )
+        missing = self.http.get("/dashboard/tenants/nobody/admin/")
+        self.assertEqual(missing.status_code, 404)
+        self.assertIn(b"No tenant with the slug 'nobody'", missing.content)

@@ -25,7 +25,7 @@ from tests.base import RedisTestCase
 from tests.factories import make_tenant
 from tests.test_metrics import samples
 
-PER_BUILD = ("oldest_wait_s",)  # an age as of each build's clock
+PER_BUILD = ("oldest_wait_s", "oldest_wait_ratio")  # ages as of each build's clock
 
 
 def _comparable(snap: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,12 @@ commands per second spent on duties (INFO commandstats, less the heartbeats' own
 which the bench counts), database statements per second spent by the ticks (an execute
 wrapper on the ticking thread's connection); then the median dashboard snapshot build, a
 /metrics scrape (the collector without its cache, rendered as Prometheus text) and the
-median engine admit of a fresh job (its mean too, as `admit_us_mean`).
+median engine admit of a fresh job (its mean too, as `admit_us_mean`); last, the size of
+the dashboard's websocket frames as one page gets them (dashboard.frames, compact JSON as
+sent): the first picture, every cell's history full (`frame_first_bytes`), then the
+largest and the median of the frames of FRAME_TICKS ticks a second apart
+(`frame_update_bytes_max`, `_median`), each from a tick's build (`picture_build(record=True)`,
+as the ticker makes it).
 
 INFO commandstats counts the whole Redis server: give the bench a server no one else uses
 while it runs (another database of the same server counts too).
@@ -42,8 +47,11 @@ from django.db import connection
 from django.utils import timezone
 from prometheus_client import CollectorRegistry
 
+from dashboard.frames import PageView, frame_encode
 from dashboard.metrics import FairQueueCollector, metrics_render
-from dashboard.snapshot import snapshot_build
+from dashboard.picture import picture_build
+from dashboard.snapshot import HISTORY_LEN, snapshot_build
+from dashboard.ticker import TICK_SECONDS as DASHBOARD_TICK_SECONDS
 from fairqueue.bench import stack
 from fairqueue.engine import AdmitRequest
 from fairqueue.jobs import cells, live
@@ -69,6 +77,7 @@ HEARTBEAT_COMMANDS = 7  # zrangebyscore + the pipeline's six (fairqueue.jobs.fle
 SLOTS_PER_WORKER = 4
 SHARD_CAPACITY = 1000
 ADMIT_SAMPLES = {"full": 300, "quick": 30}
+FRAME_TICKS = {"full": 5, "quick": 2}
 REPEATS = 5
 WARM_TICKS = 2
 MIN_TICKS = 4
@@ -90,7 +99,11 @@ def _reset() -> None:
     limits_pushed_forget()
 
 
-def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -> None:
+def fleet_seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None], *, busy: int | None = None) -> None:
+    """T tenants `t<i>` on S shards `bench<i>`, written in bulk; the first `busy` of them (all
+    by default) with one running job each and the waiting jobs spread over them, parked
+    behind it. The dashboard's browser test at ten thousand tenants seeds with it too."""
+    busy = tenants if busy is None else busy
     default_class = LatencyClass.objects.filter(name="default").first()
     rows = Shard.objects.bulk_create([Shard(name=f"bench{i}", capacity=SHARD_CAPACITY) for i in range(shards)])
     Tenant.objects.bulk_create(
@@ -112,7 +125,7 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
     for shard in rows:
         engine().init_tag(tag=shard_tag(shard.name))
     cells.cells_rebuild()
-    objs = list(Tenant.objects.select_related("shard").order_by("id"))
+    objs = list(Tenant.objects.select_related("shard").order_by("id"))[:busy]
     now = timezone.now()
     running = [
         Job(
@@ -141,7 +154,7 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
             for t, j in zip(objs, running, strict=True)
         ]
     )
-    log(f"  seeded {tenants} tenants on {shards} shards, one running job each")
+    log(f"  seeded {tenants} tenants on {shards} shards, one running job each for {busy} of them")
     # The waiting jobs: rows as the admission leaves them (parked behind the running job,
     # the tenant's limit being 1), the engine's admits, the cells; written in bulk, since
     # the submit path is not what this bench measures.
@@ -150,12 +163,12 @@ def _seed(tenants: int, waiting: int, shards: int, log: Callable[[str], None]) -
         jobs = [
             Job(
                 id=uuid.uuid4(),
-                tenant=objs[i % tenants],
+                tenant=objs[i % busy],
                 task="demo.noop",
                 latency_class="default",
                 status=JobStatus.PARKED,
-                engine_tag=shard_tag(objs[i % tenants].shard.name),
-                engine_keys=KEY_SEPARATOR.join([tenant_key(objs[i % tenants].slug), SHARD_KEY]),
+                engine_tag=shard_tag(objs[i % busy].shard.name),
+                engine_keys=KEY_SEPARATOR.join([tenant_key(objs[i % busy].slug), SHARD_KEY]),
             )
             for i in range(start, min(waiting, start + chunk))
         ]
@@ -278,6 +291,26 @@ def _scrape() -> bytes:
     return metrics_render(registry)
 
 
+def _frame_bytes(ticks: int) -> dict[str, int]:
+    """One page's first frame, with every cell's history full (as two minutes of ticks
+    leave it), and the frames of the next `ticks` ticks, in bytes."""
+    for _ in range(HISTORY_LEN - 1):
+        snapshot_build(record=True)
+    page = PageView()
+    first = len(frame_encode(page.first(picture_build(record=True))).encode())
+    updates: list[int] = []
+    while len(updates) < ticks:
+        time.sleep(DASHBOARD_TICK_SECONDS)
+        frame = page.next(picture_build(record=True))
+        if frame is not None:
+            updates.append(len(frame_encode(frame).encode()))
+    return {
+        "frame_first_bytes": first,
+        "frame_update_bytes_max": max(updates),
+        "frame_update_bytes_median": round(statistics.median(updates)),
+    }
+
+
 def _admit_us(samples: int) -> tuple[float, float]:
     """Median and mean of an engine admit of a fresh job on a tenant with room (released
     right after). The median is the figure compared across cases: the bench process also
@@ -302,11 +335,12 @@ def run(*, quick: bool, log: Callable[[str], None], database_label: str) -> dict
     for workers, tenants, waiting in CASES[size]:
         log(f"case: {workers} workers, {tenants} tenants, {waiting} waiting")
         _reset()
-        _seed(tenants, waiting, SHARDS[size], log)
+        fleet_seed(tenants, waiting, SHARDS[size], log)
         duty = _Fleet(workers).run(RUN_SECONDS[size])
         snapshot_ms = _median_ms(lambda: snapshot_build(with_history=False))
         scrape_ms = _median_ms(_scrape)
         admit_median, admit_mean = _admit_us(ADMIT_SAMPLES[size])
+        frames = _frame_bytes(FRAME_TICKS[size])
         case = {
             "workers": workers,
             "tenants": tenants,
@@ -316,6 +350,7 @@ def run(*, quick: bool, log: Callable[[str], None], database_label: str) -> dict
             "scrape_ms": scrape_ms,
             "admit_us": admit_median,
             "admit_us_mean": admit_mean,
+            **frames,
             "ticks": duty["ticks"],
         }
         log(f"  {case}")
