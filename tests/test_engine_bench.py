@@ -47,6 +47,7 @@ class EngineBenchSmokeTest(RedisTestCase):
             "release_ratio",
             "release_nohint_ratio",
             "release_floor_ratio",
+            "release_reserve_ratio",
             "park_ratio",
             "flows_park_new_ratio",
             "flows_park_ratio",
