@@ -79,9 +79,10 @@ else
   while n <= nk do
     local c = num(r[2 * n - 1]) or 0
     local l, rv = lr((not r0[2 * n] and r[2 * n]) or ARGV[6 + 2 * n])
-    if c >= l - rv then
+    if c >= l - rv then -- full unless within its guarantee: read the guard only then
+      if c >= l then break end
       local _, _, g, q = key_arg(fa, n)
-      if c >= l or not admit_within(r, g, q) then break end
+      if not admit_within(r, g, q) then break end
     end
     n = n + 1
   end
@@ -133,7 +134,7 @@ local key = ARGV[5 + 2 * n]
 local ip = ip_of(ARGV[2])
 local set = {}
 local flow, cost, g, q = key_arg(fa, n)
-if admit_within(r, g, q) then ip = floor_ip(ip) end
+if g > 0 and admit_within(r, g, q) then ip = floor_ip(ip) end
 local q, fc = fair_order(key, ip, flow, cost, fmt('%012x', seq), set)
 local raw = spec_raw(n, nk, ip, q, tail)
 for i = 1, n do
