@@ -204,6 +204,12 @@ local function lr(s)
   return lr_l, lr_r
 end
 
+-- The slots of a key with limit string `s` open to a job outside its guarantee.
+local function open_slots(s)
+  local l, rv = lr(s)
+  return l - rv
+end
+
 -- The floor band's form of a general wait order's two priority hex digits, and back
 -- (real_ip leaves a general one as it is).
 local function hexval(b)

@@ -66,13 +66,7 @@ local n = 1
 if fa == '' then
   while n <= nk do
     local s = not r0[2 * n] and r[2 * n]
-    local c = num(r[2 * n - 1]) or 0
-    if s then
-      local l, rv = lr(s)
-      if c >= l - rv then break end
-    elseif c >= num(ARGV[6 + 2 * n]) then
-      break
-    end
+    if (num(r[2 * n - 1]) or 0) >= (s and open_slots(s) or num(ARGV[6 + 2 * n])) then break end
     n = n + 1
   end
 else
