@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Generic, NamedTuple, TypeVar
 
 from .keys import tag_keys
@@ -139,6 +140,27 @@ class KeySpec(NamedTuple):
     guarantee: int
 
 
+def _check_count(what: str, name: str, value: object) -> int:
+    """A key's limit, reserve or guarantee: an int >= 0. The error's text is built only for
+    a bad value: every admit checks three per key."""
+    if type(value) is int and value >= 0:
+        return value
+    return _check_int(f"{what} of {name!r}", value, 0)
+
+
+def _check_guard(name: str, guard: object, guarantee: int, job: bool) -> None:
+    if not job:
+        raise ValueError(f"set_limits takes limits and reserves; a guard and guarantee belong to a job ({name!r})")
+    if guard is not None and not isinstance(guard, str):
+        raise ValueError(f"the guard of {name!r} must be a key name, got {guard!r}")
+    if guard is None:
+        raise ValueError(f"a guarantee needs a guard: {name!r} has guarantee {guarantee} and no guard")
+
+
+_BY_NAME = itemgetter(0)
+_new_spec = tuple.__new__  # KeySpec(...) through its generated __new__ costs an admit ~0.2 µs a key
+
+
 def key_specs(keys: KeysArg, *, allow_empty: bool = False, job: bool = True) -> list[KeySpec]:
     """Validated ``KeySpec``s in canonical (sorted) order.
 
@@ -147,35 +169,46 @@ def key_specs(keys: KeysArg, *, allow_empty: bool = False, job: bool = True) -> 
     guards and guarantees, which describe a job."""
     items: Iterable[Any] = keys.items() if isinstance(keys, Mapping) else keys
     specs: list[KeySpec] = []
+    guarded = False
     for item in items:
         if isinstance(item, KeyLimit):
             name, limit, flow, weight = item.name, item.limit, item.flow, item.weight
             reserve, guard, guarantee = item.reserve, item.guard, item.guarantee
+            name = _check_key_name(name)
+            if reserve or reserve.__class__ is not int:
+                reserve = _check_count("reserve", name, reserve)
+            if guarantee or guarantee.__class__ is not int or guard is not None:
+                guarantee = _check_count("guarantee", name, guarantee)
+                _check_guard(name, guard, guarantee, job)
+                guarded = True
         else:
             name, limit = item
+            name = _check_key_name(name)
             flow, weight, reserve, guard, guarantee = "", 1.0, 0, None, 0
-        name = _check_key_name(name)
-        limit = _check_int(f"limit of {name!r}", limit, 0)
-        reserve = _check_int(f"reserve of {name!r}", reserve, 0)
-        guarantee = _check_int(f"guarantee of {name!r}", guarantee, 0)
-        if not job and (guard is not None or guarantee):
-            raise ValueError(f"set_limits takes limits and reserves; a guard and guarantee belong to a job ({name!r})")
-        if guard is not None and not isinstance(guard, str):
-            raise ValueError(f"the guard of {name!r} must be a key name, got {guard!r}")
-        if guarantee and guard is None:
-            raise ValueError(f"a guarantee needs a guard: {name!r} has guarantee {guarantee} and no guard")
-        specs.append(KeySpec(name, limit, _check_flow(flow), flow_cost(weight), min(reserve, limit), guard, guarantee))
+        limit = _check_count("limit", name, limit)
+        spec = (
+            name,
+            limit,
+            _check_flow(flow),
+            flow_cost(weight),
+            reserve if reserve < limit else limit,
+            guard,
+            guarantee,
+        )
+        specs.append(_new_spec(KeySpec, spec))
     if not specs and not allow_empty:
         raise ValueError("a job needs at least one key")
-    names = [spec.name for spec in specs]
+    names = [spec[0] for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate keys: {sorted(names)}")
-    for spec in specs:
-        if spec.guard is not None and (spec.guard not in names or not spec.guard < spec.name):
-            raise ValueError(
-                f"the guard of {spec.name!r} must be another key of the job that sorts before it, got {spec.guard!r}"
-            )
-    specs.sort(key=lambda spec: spec.name)
+    if guarded:
+        for spec in specs:
+            if spec.guard is not None and (spec.guard not in names or not spec.guard < spec.name):
+                raise ValueError(
+                    f"the guard of {spec.name!r} must be another key of the job that sorts before it,"
+                    f" got {spec.guard!r}"
+                )
+    specs.sort(key=_BY_NAME)
     return specs
 
 
@@ -190,18 +223,26 @@ def flows_arg(specs: list[KeySpec]) -> str:
     default flow "" at the default cost and no reserve or guard (the scripts then read the
     limits as plain numbers); else flow "\\1" cost per key, then "\\1" guard index (1-based,
     in key order) "\\1" guarantee for a key with a guard, joined by "\\0" in key order."""
-    if all(s.flow == "" and s.cost == DEFAULT_COST and not s.reserve and s.guard is None for s in specs):
+    if all(
+        flow == "" and cost == DEFAULT_COST and not reserve and guard is None
+        for _, _, flow, cost, reserve, guard, _ in specs
+    ):
         return ""
-    index = {s.name: i for i, s in enumerate(specs, 1)}
-    return "\0".join(
-        f"{s.flow}\1{s.cost}" + (f"\1{index[s.guard]}\1{s.guarantee}" if s.guard is not None else "") for s in specs
-    )
+    parts: list[str] = []
+    index: dict[str, int] = {}
+    for _, _, flow, cost, _, guard, guarantee in specs:
+        if guard is None:
+            parts.append(f"{flow}\1{cost}")
+        else:
+            index = index or {spec[0]: i for i, spec in enumerate(specs, 1)}
+            parts.append(f"{flow}\1{cost}\1{index[guard]}\1{guarantee}")
+    return "\0".join(parts)
 
 
 def _flatten(specs: list[KeySpec]) -> list[str | int]:
     flat: list[str | int] = []
     for spec in specs:
-        flat += [spec.name, limit_arg(spec)]
+        flat += [spec[0], limit_arg(spec)]
     return flat
 
 
