@@ -66,6 +66,7 @@ class EngineModelAgrees(SimpleTestCase):
     step."""
 
     def test_random_operations(self) -> None:
+        floor_parks = floor_served = 0
         for trial in range(400):
             rnd = random.Random(trial)
             ref, fast = Model(), EngineModel()
@@ -123,6 +124,11 @@ class EngineModelAgrees(SimpleTestCase):
                     self.assertEqual(fast.limits.get(key), ref.limits.get(key), where)
                     self.assertEqual(fast.reserves.get(key), ref.reserves.get(key), where)
                 self.assertEqual(fast.flows, ref.flow_records, where)
+            floor_parks += sum(1 for event, _, p, _ in ref.log if event == "park" and p < 0)
+            floor_served += sum(1 for event, _, p, _ in ref.log if event == "serve" and p < 0)
+        # The runs exercise the floor band, not only the general one (several hundred of each).
+        self.assertGreater(floor_parks, 300)
+        self.assertGreater(floor_served, 100)
 
 
 class SchedulerScenarios(SimpleTestCase):
