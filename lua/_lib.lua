@@ -9,16 +9,19 @@
 --
 -- KEYS (identical for every operation, all under one `{tag}` hash slot, see keys.py):
 --   1 state  HASH  key -> holders (field deleted at 0) | "\0"..key -> last limit passed
---                  while the key is in use (deleted with the count when it goes idle)
+--                  while the key is in use, "L" or "L:R" with its reserve R (see lr;
+--                  deleted with the count when it goes idle)
 --                  | "\2"..job -> spec (layout below) | "\3"..job -> the limits its admit
 --                  passed, "l1\0l2..." (a multi-key job parked before its last key: when
---                  it goes on to a later key that went idle meanwhile, it brings its limit)
+--                  it goes on to a later key that went idle meanwhile, it brings its limit),
+--                  then "\2" and its flows argument (flows, guards) when not ""
 --                  | "\1seq" -> arrival counter | "\1ready" -> 1 once init_tag ran
 --                  | "\1due" -> lower bound of every lease expiry in `leases` (absent
 --                  when there are none)
 --                  | "\4"..key.."\1"..fp -> the flow's last finish tag (16 hex) and the
 --                  start of its backlog (12 hex) | "\5"..key.."\1"..fp -> how many of the
---                  flow's jobs wait on key at that priority; fp = <255-p: 2 hex>..flow.
+--                  flow's jobs wait on key at that priority; fp = <255-p: 2 hex, or its
+--                  floor band form (floor_ip)>..flow.
 --                  Both exist exactly while that count is above 0 (see park, flow_left).
 --   2 waits  ZSET  key\0<order: 42 bytes>\0job\0<"\5"..key.."\1"..fp>\0<spec> (score 0,
 --                  see ENTRY_JOB); the order is 255-p, the virtual start tag, the flow's
@@ -34,8 +37,11 @@
 -- parked on key n, holds keys 1..n-1 and has its wait entry. The wait entry carries the
 -- spec, so a handoff reads nothing but the queue head. Holders of a key are not indexed
 -- (inspect scans the jobs: O(state), dashboards/tests only).
--- Invariant kept by every operation: if a key has waiters then count >= limit, so a
--- newcomer only checks count < limit and cannot barge. A key with holders or waiters has
+-- Invariant kept by every operation: if a key has waiters then count >= limit - reserve, and
+-- if it has waiters of the floor band then count >= limit, so a newcomer only checks
+-- count < limit - reserve (count < limit within its guarantee) and cannot barge past a
+-- waiter of its own band or a better one (docs/engine.md, "Reserves and guarantees"). A
+-- key with holders or waiters has
 -- a stored limit; an idle key has none (so the tag's hash does not keep one field per key
 -- ever used), and the next job to use it brings its own.
 --
@@ -54,6 +60,12 @@ local INT, VAL = {}, {} -- INT[7] = "7", VAL["7"] = 7 for the small counts and l
 local NOSEQ = '0000000000000000000000000000000000000000'
 local ZERO_TAG = '0000000000000000'
 local READY, SEQ, DUE = '\1ready', '\1seq', '\1due'
+-- The floor band (docs/engine.md, "Reserves and guarantees"): a waiter that parked within
+-- its guarantee has each hex digit d of its wait order's 255-priority written as the
+-- character FLOOR_BASE + d. Those sort below every hex digit (HEX_LOW is '0'), so the band's
+-- entries come before all others of the key and keep their priority order among themselves;
+-- the flow records follow (their fp holds the same two bytes).
+local FLOOR_BASE, HEX_LOW = 32, 48
 
 -- The spec, byte by byte (1-based, as string.byte and string.sub count):
 --   [1]      n: index of the key the job is parked on, as a byte (#keys+1 once admitted)
@@ -168,6 +180,53 @@ local due_s, due_n, ls_s, ls_n = false, nil, false, nil
 -- so a stale entry is never used; a miss costs one compare.
 local key_s, key_limit, key_lo, key_hi, key_spec = false, nil, nil, nil, nil
 
+-- The last limit string lr parsed (not a small one, which VAL holds) and its parts.
+local lr_s, lr_l, lr_r = false, 0, 0
+
+-- A stored or passed limit string (false: missing) as its limit and effective reserve:
+-- "L" has none, "L:R" keeps min(R, L) of the L slots (ops.py sends R only when 0 < R <= L).
+-- A missing one is 0, 0. The plain string stays a number string so the busy-key release
+-- (which compares it with a count) and a small limit's VAL lookup cost what they did.
+local function lr(s)
+  if not s then return 0, 0 end
+  local v = VAL[s]
+  if v then return v, 0 end
+  if s ~= lr_s then
+    local x = find(s, ':', 2, true)
+    if x then
+      lr_l, lr_r = sub(s, 1, x - 1) + 0, sub(s, x + 1) + 0
+      if lr_r > lr_l then lr_r = lr_l end
+    else
+      lr_l, lr_r = s + 0, 0
+    end
+    lr_s = s
+  end
+  return lr_l, lr_r
+end
+
+-- The slots of a key with limit string `s` open to a job outside its guarantee.
+local function open_slots(s)
+  local l, rv = lr(s)
+  return l - rv
+end
+
+-- The floor band's form of a general wait order's two priority hex digits, and back
+-- (real_ip leaves a general one as it is).
+local function hexval(b)
+  return b < 97 and b - 48 or b - 87
+end
+
+local function floor_ip(ip)
+  local a, b = byte(ip, 1, 2)
+  return char(FLOOR_BASE + hexval(a), FLOOR_BASE + hexval(b))
+end
+
+local function real_ip(ip)
+  local a, b = byte(ip, 1, 2)
+  if a >= HEX_LOW then return ip end
+  return fmt('%x%x', a - FLOOR_BASE, b - FLOOR_BASE)
+end
+
 -- Remember the strings of `key` (called on a miss only: key ~= key_s).
 local function key_strings(key)
   key_s, key_limit, key_lo, key_hi, key_spec = key, '\0' .. key, '[' .. key .. '\0', '(' .. key .. '\1', key .. '\1'
@@ -238,7 +297,7 @@ local function has_keys(raw, names)
 end
 
 local function prio(spec)
-  return 255 - tonumber(spec.ip, 16)
+  return 255 - tonumber(real_ip(spec.ip), 16)
 end
 
 -- The wait entry of a job parked on `key` with spec string `raw`, its flow's count field
@@ -277,16 +336,44 @@ local function lease(job, ls)
   end
 end
 
--- The flow and cost a job passed for its i-th key. `fa` is the admit's flows argument: ""
--- when every key has the default flow "" at weight 1 (cost DEFAULT_COST), otherwise one
--- flow "\1" cost per key, joined by "\0" in key order (flows hold no \0 or \1: ops.py).
-local function flow_of(fa, i)
-  if not fa or fa == '' then return '', DEFAULT_COST end
+-- What a job passed for its i-th key besides the limit: flow, cost, and its guard's index
+-- among the job's keys with its guarantee (0, 0 without a guard). `fa` is the admit's flows
+-- argument: "" when every key has the default flow "" at weight 1 (cost DEFAULT_COST) and no
+-- key a reserve or guard (ops.flows_arg; so then no limit passed carries a reserve),
+-- otherwise per key flow "\1" cost, then "\1" guard index "\1" guarantee for a key with a
+-- guard, joined by "\0" in key order (flows hold no \0 or \1: ops.py).
+local function key_arg(fa, i)
+  if not fa or fa == '' then return '', DEFAULT_COST, 0, 0 end
   local pos = 1
   for _ = 2, i do pos = find(fa, '\0', pos, true) + 1 end
   local z = find(fa, '\0', pos, true)
+  local e = z and z - 1 or #fa
   local x = find(fa, '\1', pos, true)
-  return sub(fa, pos, x - 1), sub(fa, x + 1, z and z - 1 or #fa) + 0
+  local y = find(fa, '\1', x + 1, true)
+  if not y or y > e then return sub(fa, pos, x - 1), sub(fa, x + 1, e) + 0, 0, 0 end
+  local w = find(fa, '\1', y + 1, true)
+  return sub(fa, pos, x - 1), sub(fa, x + 1, y - 1) + 0, sub(fa, y + 1, w - 1) + 0, sub(fa, w + 1, e) + 0
+end
+
+-- Whether an admit's job, about to hold its keys before the one it passed guard index `g`
+-- and guarantee `q` for (key_arg), is within its guarantee there: it has a guard (g > 0)
+-- and the guard's count (`r` read the counts as admit_read orders them, before the job's
+-- own holds), its own hold included, is at most the guarantee.
+local function admit_within(r, g, q)
+  return g > 0 and (num(r[2 * g - 1]) or 0) + 1 <= q
+end
+
+-- The holder count of `key` now, during a handoff of `hkey` (whose count `hc` the handoff
+-- writes only at its end) and, in a drop (`batch`), with the counts of the keys freed
+-- before it pending in SETS (see drop). Read for a woken job's guard only.
+local function live_count(key, hkey, hc, batch)
+  if key == hkey then return hc end
+  if batch then
+    for j = 1, #SETS - 1, 2 do
+      if SETS[j] == key then return num(SETS[j + 1]) end
+    end
+  end
+  return num(call('HGET', K_STATE, key)) or 0
 end
 
 -- Fair order, on the park path only. A job about to wait on `key` at priority `ip` (2 hex)
@@ -338,14 +425,18 @@ local function flow_left(fc, batch)
   end
 end
 
--- Park the job on its n-th key (it holds keys 1..n-1) in `flow` with `cost`: fresh seq, fair
--- order, wait entry, spec rewritten; `lim`, when given, is the key's limit to store (it had
--- none: it was idle).
-local function park(job, spec, n, lim, flow, cost)
+-- Park the job on its n-th key (it holds keys 1..n-1) in `flow` with `cost`, in the floor
+-- band when `floor` (within its guarantee there): fresh seq, fair order, wait entry, spec
+-- rewritten; `lim`, when given, is the key's limit to store (it had none: it was idle).
+-- The spec's priority bytes may be in the floor band form of the key it waited on before:
+-- its real priority is taken back first.
+local function park(job, spec, n, lim, flow, cost, floor)
   local key = spec.k[n]
   local set = {}
-  local q, fc = fair_order(key, spec.ip, flow, cost, fmt('%012x', call('HINCRBY', K_STATE, SEQ, 1)), set)
-  local raw = spec_raw(n, spec.nk, spec.ip, q, spec.tail)
+  local ip = real_ip(spec.ip)
+  if floor then ip = floor_ip(ip) end
+  local q, fc = fair_order(key, ip, flow, cost, fmt('%012x', call('HINCRBY', K_STATE, SEQ, 1)), set)
+  local raw = spec_raw(n, spec.nk, ip, q, spec.tail)
   call('ZADD', K_WAITS, 0, wait_entry(key, raw, job, fc))
   set[#set + 1], set[#set + 2] = '\2' .. job, raw
   if lim then set[#set + 1], set[#set + 2] = '\0' .. key, lim end
@@ -353,22 +444,26 @@ local function park(job, spec, n, lim, flow, cost)
 end
 
 -- What `job` passed at admission for its i-th key (from its "\3" record `all`, a string or
--- false): the limit (a string), the flow and the cost.
+-- false): the limit (a string, with its reserve), the flow, the cost, the guard's index and
+-- the guarantee (key_arg).
 local function own(all, i)
-  if not all then return '0', '', DEFAULT_COST end -- only a damaged state lacks it: park there (audit flags it)
+  if not all then return '0', '', DEFAULT_COST, 0, 0 end -- only a damaged state lacks it: park there (audit flags it)
   local x = find(all, '\2', 1, true)
   local pos = 1
   for _ = 2, i do pos = find(all, '\0', pos, true) + 1 end
   local z = find(all, '\0', pos, true)
   if x and (not z or z > x) then z = x end
-  local flow, cost = flow_of(x and sub(all, x + 1) or '', i)
-  return sub(all, pos, z and z - 1 or #all), flow, cost
+  local flow, cost, g, q = key_arg(x and sub(all, x + 1) or '', i)
+  return sub(all, pos, z and z - 1 or #all), flow, cost, g, q
 end
 
 -- A job that holds keys 1..n-1 goes on to take the rest while they have room, parking on
 -- the first full one. Returns true when it holds every key (it then has a lease; its spec
--- is not rewritten), false when parked.
-local function grant_rest(job, spec, n)
+-- is not rewritten), false when parked. It was woken by a handoff of `hkey`, now at `hc`
+-- holders (`batch`: in a drop), which live_count needs to read its guard's count: a key with
+-- a reserve takes it past limit - reserve only within its guarantee, and the band it parks
+-- in says whether it was.
+local function grant_rest(job, spec, n, hkey, hc, batch)
   local k = spec.k
   local rec -- its "\3" record, read when first needed
   for i = n, #k do
@@ -381,11 +476,15 @@ local function grant_rest(job, spec, n)
       rec = rec or call('HGET', K_STATE, '\3' .. job)
       lim = own(rec, i)
     end
-    if c >= num(lim) then
+    local l, rv = lr(lim)
+    if c >= l - rv then
       rec = rec or call('HGET', K_STATE, '\3' .. job)
-      local _, flow, cost = own(rec, i)
-      park(job, spec, i, not stored and lim, flow, cost)
-      return false
+      local _, flow, cost, g, q = own(rec, i)
+      local floor = g > 0 and live_count(k[g], hkey, hc, batch) <= q
+      if c >= l or not floor then
+        park(job, spec, i, not stored and lim, flow, cost, floor)
+        return false
+      end
     end
     if stored then
       call('HSET', K_STATE, key, int(c + 1))
@@ -401,8 +500,9 @@ end
 -- The head waiter `m` of a key of `klen` bytes got its slot (z, y: the "\0"s after its job
 -- id and its flow's count field): let it take its later keys (or, on its last key, just lease it,
 -- reading only the bytes needed). Returns the job and its data when it now holds every
--- key, nil when it parked on a later key.
-local function wake(m, klen, z, y)
+-- key, nil when it parked on a later key. `key`, `c` and `batch` are the handoff's (see
+-- grant_rest).
+local function wake(m, klen, z, y, key, c, batch)
   local job = sub(m, klen + ENTRY_JOB, z - 1)
   local n = byte(m, y + SPEC_N) + 1 -- the next key to take
   if n > byte(m, y + SPEC_NK) then
@@ -410,35 +510,40 @@ local function wake(m, klen, z, y)
     return job, sub(m, find(m, '\1', y + ENTRY_KEYS, true) + 1)
   end
   local spec = parse(entry_raw(m, klen, y))
-  if grant_rest(job, spec, n) then return job, spec.d end
+  if grant_rest(job, spec, n, key, c, batch) then return job, spec.d end
   return nil
 end
 
--- `key` now has `c` holders (Redis holds `stored`) and limit `l`: while it has room and
--- waiters, give the head waiter (highest priority, then fair order) the slot and let it go
--- on to its later keys. Fully admitted jobs are appended to `woken` as job_id, data pairs.
+-- `key` now has `c` holders (Redis holds `stored`), limit `l` and reserve `rv`: while it has
+-- room and waiters, give the head waiter (the floor band first, then highest priority, then
+-- fair order) the slot and let it go on to its later keys; a head of the general band only
+-- while c < l - rv (the reserved slots are kept for the floor band). Fully admitted jobs are
+-- appended to `woken` as job_id, data pairs.
 -- `full` says whether the key may have waiters at all: by the invariant only a key that
--- was full (count >= limit) can, so a release on a key that had room skips the lookup.
+-- was full (count >= limit - reserve) can, so a release on a key that had room skips the lookup.
 -- The count is written back once at the end (safe: a woken job only goes on to later
 -- keys, never this one), so a release that hands its slot on writes no count at all; with
 -- `batch` it is appended to the pending writes of drop (see there) instead, and so are the
 -- records of a flow left with no waiter (safe for the same reason: nothing parks on this
--- key later in the drop). A key left with no holder and a limit above 0 has
+-- key later in the drop). A key left with no holder and a limit above its reserve has
 -- nobody waiting (the loop found no head, or it had room before): it is idle and its
--- limit goes with its count. (Waiters of a limit-0 key keep theirs.)
-local function handoff(key, c, l, stored, woken, full, batch)
+-- limit (with its reserve) goes with its count. (Waiters of a key whose every slot is
+-- reserved, a limit-0 key among them, keep it.)
+local function handoff(key, c, l, rv, stored, woken, full, batch)
   if full and c < l then
     local lo, hi = '[' .. key .. '\0', '(' .. key .. '\1'
     local klen = #key
+    local open = l - rv
     while c < l do
       local head = call('ZRANGEBYLEX', K_WAITS, lo, hi, 'LIMIT', '0', '1')[1]
       if not head then break end
+      if c >= open and byte(head, klen + 2) >= HEX_LOW then break end -- a general head: kept slots
       call('ZREM', K_WAITS, head)
       local z = find(head, '\0', klen + ENTRY_JOB, true)
       local y = find(head, '\0', z + 1, true)
       flow_left(sub(head, z + 1, y - 1), batch)
       c = c + 1
-      local job, data = wake(head, klen, z, y)
+      local job, data = wake(head, klen, z, y, key, c, batch)
       if job then
         woken[#woken + 1] = job
         woken[#woken + 1] = data
@@ -452,11 +557,11 @@ local function handoff(key, c, l, stored, woken, full, batch)
         SETS[#SETS + 1] = int(c)
       else
         DELS[#DELS + 1] = key
-        if l > 0 then DELS[#DELS + 1] = '\0' .. key end
+        if l > rv then DELS[#DELS + 1] = '\0' .. key end
       end
     elseif c > 0 then
       call('HSET', K_STATE, key, int(c))
-    elseif l > 0 then
+    elseif l > rv then
       call('HDEL', K_STATE, key, '\0' .. key)
     else
       call('HDEL', K_STATE, key)
@@ -465,11 +570,12 @@ local function handoff(key, c, l, stored, woken, full, batch)
   return c ~= stored
 end
 
--- Hand on `key` after its limit rose from `was` to `l`, reading its count. True if a
--- waiter got a slot (counts moved).
-local function handoff_key(key, l, was, woken)
+-- Hand on `key` after its limit rose to `l` or its limit less its reserve `rv` rose (from
+-- `was`: the old limit less reserve), reading its count. True if a waiter got a slot
+-- (counts moved).
+local function handoff_key(key, l, rv, was, woken)
   local c = num(call('HGET', K_STATE, key)) or 0
-  return handoff(key, c, l, c, woken, c >= was)
+  return handoff(key, c, l, rv, c, woken, c >= was)
 end
 
 -- The second half of drop, for a job whose spec and lease are already gone: remove its
@@ -495,14 +601,16 @@ local function free_held(job, raw, k, ko, woken, admitted, cl, co)
   end
   for i = 1, held do
     local key = k[ko + i]
-    local c, l
+    local c, l, rv
     if cl and not touched then
-      c, l = num(cl[co + 2 * i - 1]) or 0, num(cl[co + 2 * i]) or 0
+      c = num(cl[co + 2 * i - 1]) or 0
+      l, rv = lr(cl[co + 2 * i])
     else
       local r = call('HMGET', K_STATE, key, '\0' .. key)
-      c, l = num(r[1]) or 0, num(r[2]) or 0
+      c = num(r[1]) or 0
+      l, rv = lr(r[2])
     end
-    handoff(key, c - 1, l, c, woken, c >= l, true)
+    handoff(key, c - 1, l, rv, c, woken, c >= l - rv, true)
   end
 end
 
@@ -558,24 +666,31 @@ local function reclaim_due(max, woken, reclaimed)
   return false
 end
 
--- Compare the limits passed as argv[first], argv[first+1], ... pairs (keys sorted) with
--- `old` (old[i] = stored limit of the i-th key, string or false), store the changed ones
--- with one HSET, then hand on every key whose limit rose, in REVERSE canonical order: a job
--- woken on a key only goes on to later keys, whose queues are then already served, so it
--- can never barge past their waiters. A key with no stored limit has no waiters (every
--- admit stores its keys' limits first). Returns true when a waiter got a slot.
+-- Compare the limits passed as argv[first], argv[first+1], ... pairs (keys sorted; limit
+-- strings with their reserves, see lr) with `old` (old[i] = stored limit of the i-th key,
+-- string or false), store the changed ones with one HSET, then hand on every key where a
+-- waiter may now fit (its limit rose: room for the floor band; or its limit less its
+-- reserve rose: room for the general band, a lowered reserve among the ways), in REVERSE
+-- canonical order: a job woken on a key only goes on to later keys, whose queues are then
+-- already served, so it can never barge past their waiters. A key with no stored limit has
+-- no waiters (every admit stores its keys' limits first). Returns true when a waiter got a
+-- slot.
 local function store_limits(argv, first, old, woken)
   local set, raised = {}, {}
   local i = 0
   for a = first, #argv, 2 do
     i = i + 1
-    local lim, was = num(argv[a + 1]), num(old[i])
-    if was ~= lim then
+    local s, ws = argv[a + 1], old[i]
+    if s ~= ws then
       set[#set + 1] = '\0' .. argv[a]
-      set[#set + 1] = argv[a + 1]
-      if was and lim > was then
-        raised[#raised + 1] = a
-        raised[#raised + 1] = was
+      set[#set + 1] = s
+      if ws then
+        local l, rv = lr(s)
+        local wl, wr = lr(ws)
+        if l > wl or l - rv > wl - wr then
+          raised[#raised + 1] = a
+          raised[#raised + 1] = wl - wr
+        end
       end
     end
   end
@@ -583,7 +698,8 @@ local function store_limits(argv, first, old, woken)
   local moved = false
   for j = #raised - 1, 1, -2 do
     local a = raised[j]
-    if handoff_key(argv[a], num(argv[a + 1]), raised[j + 1], woken) then moved = true end
+    local l, rv = lr(argv[a + 1])
+    if handoff_key(argv[a], l, rv, raised[j + 1], woken) then moved = true end
   end
   return moved
 end

@@ -2,13 +2,17 @@
 -- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
 -- ARGV: job_id, priority (int 0..250, higher first), lease (ms > 0, 10 digits zero-padded:
 --       the spec stores it at a fixed place), data (opaque string),
---       require_ready (1|0), flows ("" when every key has the default flow "" at weight 1,
---       otherwise flow "\1" cost per key joined by "\0" in key order: see flow_of), then
---       key, limit pairs with keys sorted (canonical order), limits ints >= 0.
+--       require_ready (1|0), flows ("" when every key has the default flow "" at weight 1
+--       and no key a reserve or guard, otherwise flow "\1" cost, then "\1" guard index "\1"
+--       guarantee for a key with a guard, per key joined by "\0" in key order: see
+--       key_arg), then key, limit pairs with keys sorted (canonical order), limits ints >= 0,
+--       written "L:R" for a key with a reserve R (0 < R <= L; only with flows not "").
 -- Does, atomically: reclaim up to RECLAIM_BATCH (_lib.lua) expired leases; if job_id is known, nothing more
 -- (idempotent re-delivery: its current state is returned); else store each changed limit
 -- and hand on where a raised limit made room (before the newcomer competes: no barging);
--- then take the keys in order, parking on the first full one. An idle key has no stored
+-- then take the keys in order, parking on the first full one (a key with a reserve is full
+-- at limit - reserve, unless the job is within its guarantee there: docs/engine.md,
+-- "Reserves and guarantees"; it then parks in the key's floor band). An idle key has no stored
 -- limit: this job's is stored with the grant (in the same HSET) for the keys it takes or
 -- parks on; a job parked before its last key also stores the limits it passed ("\3"..job),
 -- to bring to later keys that may be idle by the time it gets there, with its flows.
@@ -53,13 +57,29 @@ if changed then
   for i = 1, nk do old[i] = r[2 * i] or ARGV[6 + 2 * i] end -- missing: not stored here
   if store_limits(ARGV, 7, old, W) then r = admit_read(ARGV, nk, jf) end
 end
--- Count the keys that have room (count < limit), in order. A key's limit now is the one
--- passed (stored, or about to be), unless the key was idle and a job woken just above took
--- it with its own.
+-- Count the keys that have room, in order: count < limit - reserve, or count < limit for a
+-- job within its guarantee there. A key's limit now is the one passed (stored, or about to
+-- be), unless the key was idle and a job woken just above took it with its own (which may
+-- carry a reserve). With flows "" no limit passed has a reserve and the job no guard.
+local fa = ARGV[6]
 local n = 1
-while n <= nk do
-  if (num(r[2 * n - 1]) or 0) >= num((not r0[2 * n] and r[2 * n]) or ARGV[6 + 2 * n]) then break end
-  n = n + 1
+if fa == '' then
+  while n <= nk do
+    local s = not r0[2 * n] and r[2 * n]
+    if (num(r[2 * n - 1]) or 0) >= (s and open_slots(s) or num(ARGV[6 + 2 * n])) then break end
+    n = n + 1
+  end
+else
+  while n <= nk do
+    local c = num(r[2 * n - 1]) or 0
+    local l, rv = lr((not r0[2 * n] and r[2 * n]) or ARGV[6 + 2 * n])
+    if c >= l - rv then -- full unless within its guarantee: read the guard only then
+      if c >= l then break end
+      local _, _, g, q = key_arg(fa, n)
+      if not admit_within(r, g, q) then break end
+    end
+    n = n + 1
+  end
 end
 local ls = ARGV[3]
 local tail
@@ -100,13 +120,15 @@ if n > nk then -- admitted: one HSET for the counts, the spec and perhaps "\1due
   if #W == 0 and #R == 0 then return 1 end
   return reply({1, '', 0, 0, 0}, W, R)
 end
--- Parked on key n: its fair order (which reads the flow's records), then counts of keys
--- 1..n-1, the flow's records, the spec and the arrival counter in one HSET.
+-- Parked on key n (in its floor band when within its guarantee there): its fair order
+-- (which reads the flow's records), then counts of keys 1..n-1, the flow's records, the
+-- spec and the arrival counter in one HSET.
 local seq = (num(r[f_job + 2]) or 0) + 1
 local key = ARGV[5 + 2 * n]
 local ip = ip_of(ARGV[2])
 local set = {}
-local flow, cost = flow_of(ARGV[6], n)
+local flow, cost, g, q = key_arg(fa, n)
+if g > 0 and admit_within(r, g, q) then ip = floor_ip(ip) end
 local q, fc = fair_order(key, ip, flow, cost, fmt('%012x', seq), set)
 local raw = spec_raw(n, nk, ip, q, tail)
 for i = 1, n do
@@ -120,7 +142,7 @@ for i = 1, n do
     set[#set + 1] = ARGV[6 + 2 * i]
   end
 end
-if n < nk then -- it will go on to later keys: keep the limits (and flows) it passed
+if n < nk then -- it will go on to later keys: keep the limits (and flows, guards) it passed
   local lims = {}
   for i = 1, nk do lims[i] = ARGV[6 + 2 * i] end
   local rec = table.concat(lims, '\0')

@@ -5,8 +5,10 @@
 -- Checks: each key's count equals the holders its jobs' specs imply (an admitted job,
 -- i.e. one with a lease, holds all its keys; a parked one keys 1..n-1 and has its wait
 -- entry, which carries its current spec); every wait entry belongs to a parked job; no
--- key with waiters has room (count < limit); every key with holders or waiters has a
--- limit; every lease and every limits record ("\3"..job) belongs to a job, and a job
+-- key with waiters has room for them (count < limit - reserve), nor one with waiters of
+-- the floor band room at all (count < limit); a stored reserve is within 1..limit; wait
+-- entries' priority bytes are two hex digits or two of the floor band; every key with
+-- holders or waiters has a limit; every lease and every limits record ("\3"..job) belongs to a job, and a job
 -- parked before its last key has its record; "\1due" is at
 -- most the earliest lease expiry (and present whenever a lease is). Fair order: each flow
 -- with waiters on a key at a priority has both records ("\4", "\5"), and only such flows
@@ -25,14 +27,17 @@ for i = 1, #leases, 2 do
   if not earliest or e < earliest then earliest = e end
 end
 local fields = call('HGETALL', K_STATE)
-local specs, counts, limits, meta, records, finish, fcount = {}, {}, {}, {}, {}, {}, {}
+local specs, counts, limits, reserves, meta, records, finish, fcount = {}, {}, {}, {}, {}, {}, {}, {}
 for i = 1, #fields, 2 do
   local f, v = fields[i], fields[i + 1]
   local b = byte(f, 1)
   if (b == 4 or b == 5) and find(f, '\1', 2, true) then -- a flow record (key names hold no \1)
     if b == 4 then finish[sub(f, 2)] = v else fcount[sub(f, 2)] = tonumber(v) end
   elseif b == 0 then
-    limits[sub(f, 2)] = tonumber(v)
+    local x = find(v, ':', 1, true)
+    local l, rv = tonumber(x and sub(v, 1, x - 1) or v), x and tonumber(sub(v, x + 1)) or 0
+    if not l or not rv or (x and (rv < 1 or rv > l)) then bad('malformed limit ' .. f .. ' = ' .. v) end
+    limits[sub(f, 2)], reserves[sub(f, 2)] = l, rv
   elseif b == 1 then
     meta[f] = v
   elseif b == 2 then
@@ -87,12 +92,18 @@ for key, c in pairs(holders) do
   if not counts[key] then bad('holds without count on ' .. key .. ' ' .. c) end
   if not limits[key] then bad('holders without limit on ' .. key) end
 end
-local waiters, per_flow, last_seq = {}, {}, {}
+local waiters, floor_waiters, per_flow, last_seq = {}, {}, {}, {}
 for _, m in ipairs(call('ZRANGE', K_WAITS, 0, -1)) do -- in queue order
   if not members[m] then bad('wait entry without parked job ' .. m) end
   local kz = find(m, '\0', 1, true)
   local key = sub(m, 1, kz - 1)
   waiters[key] = true
+  local a, b = byte(m, kz + 1, kz + 2)
+  if a >= FLOOR_BASE and a < HEX_LOW and b >= FLOOR_BASE and b < HEX_LOW then
+    floor_waiters[key] = true
+  elseif not find(sub(m, kz + 1, kz + 2), '^[0-9a-f][0-9a-f]$') then
+    bad('malformed priority bytes ' .. m)
+  end
   local z = find(m, '\0', #key + ENTRY_JOB, true)
   local y = z and find(m, '\0', z + 1, true)
   if y then
@@ -124,7 +135,8 @@ for fl, _ in pairs(per_flow) do
   if not fcount[fl] then bad('waiters without flow count ' .. fl) end
 end
 for key, _ in pairs(waiters) do
-  if (counts[key] or 0) < (limits[key] or 0) then bad('room with waiters on ' .. key) end
+  if (counts[key] or 0) < (limits[key] or 0) - (reserves[key] or 0) then bad('room with waiters on ' .. key) end
+  if floor_waiters[key] and (counts[key] or 0) < (limits[key] or 0) then bad('room with floor-band waiters on ' .. key) end
   if not limits[key] then bad('waiters without limit on ' .. key) end
 end
 return problems

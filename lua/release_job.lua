@@ -45,7 +45,8 @@ if nh == 1 and r[3] == r[4] and find(raw, key_spec, SPEC_KEYS, true) == SPEC_KEY
   -- The release of a busy key, the engine's most frequent call, written out: the hint is
   -- right (the spec's keys are exactly `key`), no lease is due and the key is at its limit
   -- (count == limit, as stored strings), so the job holds the key and its slot goes to the
-  -- head waiter, if any. It is a second copy of what drop, handoff and wake do for this
+  -- head waiter, if any. A key with a reserve never gets here: its stored limit "L:R" equals
+  -- no count, so it takes the general path, which keeps the reserved slots (handoff). It is a second copy of what drop, handoff and wake do for this
   -- case (the head lookup, the idle key's HDEL, the wait entry's offsets, the flow count
   -- of the head (flow_left), the lease), kept
   -- because the helper calls it avoids are a large part of a release on this Lua (figures:

@@ -1,7 +1,9 @@
 -- set_limits.lua: an operator changes limits; a raised limit wakes waiters at once.
 -- KEYS: the 4 per-tag keys (see _lib.lua / fairqueue/engine/keys.py).
--- ARGV: require_ready (1|0), then key, limit pairs (limits ints >= 0, keys sorted).
--- Does: store each changed limit; where it rose and left room on a key with waiters, hand
+-- ARGV: require_ready (1|0), then key, limit pairs (limits ints >= 0, "L:R" with a reserve
+--       R, see lr; keys sorted).
+-- Does: store each changed limit (and reserve); where it rose, or the reserve fell, and left
+-- room on a key with waiters, hand
 -- on. A lowered limit evicts nobody: nobody new gets in until holders drop below it.
 -- With require_ready=1 on a tag not ready (see init_tag.lua) nothing is stored or woken.
 -- Returns: woken {job_id, data, ...}

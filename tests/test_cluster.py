@@ -112,6 +112,17 @@ class EngineBehaviourOnClusterTests(test_engine_api.EngineBehaviour):
 
 
 @tag("distributed", "cluster")
+class ReservesOnClusterTests(test_engine_api.ReservesAndGuarantees):
+    """The reserves and guarantees tests, with the engine on the cluster."""
+
+    def setUp(self) -> None:
+        cluster().flush_all()
+        super().setUp()
+        self.e = Engine(connect(cluster().url))
+        self.assertIsInstance(self.e.client, RedisCluster)
+
+
+@tag("distributed", "cluster")
 class AdmitManyOnClusterTests(test_engine_batch.AdmitManyComparison, RedisTestCase):
     """A bulk's admits, one call per tag (lua/admit_jobs.lua), against the same admits one
     by one, with the runs' tags on different primaries (the pipeline split per node)."""

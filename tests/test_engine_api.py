@@ -13,7 +13,7 @@ import redis.asyncio
 from django.conf import settings
 from django.core.management import call_command
 
-from fairqueue.engine import AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
+from fairqueue.engine import Admission, AdmitRequest, AsyncEngine, Engine, KeyLimit, Sweeper, Woken
 from fairqueue.engine.keys import LAYOUT, tag_keys
 from fairqueue.engine.ops import INLINE_RECLAIM
 from fairqueue.engine.scripts import library, loaded_libraries
@@ -620,6 +620,290 @@ class EngineBehaviour(RedisTestCase):
             self.e.reclaim(tag=T, max_jobs=0)
         with self.assertRaises(ValueError):
             Engine(self.e.client, prefix="a{b")
+        self.assertEqual(self.e.client.dbsize(), 0)
+
+
+class ReservesAndGuarantees(RedisTestCase):
+    """Issue 41's primitive (docs/engine.md, "Reserves and guarantees"): shard key "z" keeps
+    slots for jobs within their guarantee, judged on their tenant key "t:<tenant>" (the
+    guard, which sorts before "z")."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.e = Engine(redis.Redis.from_url(settings.REDIS_URL))
+
+    def keys(self, tenant: str, limit: int = 4, reserve: int = 2, guarantee: int = 1) -> list[KeyLimit]:
+        return [
+            KeyLimit(f"t:{tenant}", 10),
+            KeyLimit("z", limit, reserve=reserve, guard=f"t:{tenant}", guarantee=guarantee),
+        ]
+
+    def admit(self, job: str, tenant: str, priority: int = 0, **shard: int) -> Admission:
+        keys = self.keys(tenant, **shard)
+        return self.e.admit(tag=T, job_id=job, keys=keys, priority=priority, lease_seconds=60, data=f"d-{job}")
+
+    def plain(self, job: str, keys: dict[str, int] | list[KeyLimit], priority: int = 0) -> Admission:
+        return self.e.admit(tag=T, job_id=job, keys=keys, priority=priority, lease_seconds=60, data=f"d-{job}")
+
+    def zstate(self) -> tuple[int, int, int, int]:
+        """(held, reserve, waiting, floor_waiting) of the shard key."""
+        s = self.e.inspect_key(tag=T, key="z", holders=False)
+        return s.held, s.reserve, s.waiting, s.floor_waiting
+
+    def woken(self, job: str, keys: list[str] | None = None) -> list[str]:
+        return [w.job_id for w in self.e.release(tag=T, job_id=job, keys=keys).woken]
+
+    def flood(self) -> None:
+        """Limit 4, reserve 2: A's first job (within: A holds 1 <= 1) and second (above its
+        guarantee, but below 4 - 2) get in; A's third parks in the general band."""
+        self.assertTrue(self.admit("a1", "A").admitted)
+        self.assertTrue(self.admit("a2", "A").admitted)
+        a3 = self.admit("a3", "A")
+        self.assertEqual((a3.admitted, a3.parked_on, a3.position), (False, "z", 1))
+        self.assertEqual(self.zstate(), (2, 2, 1, 0))
+
+    def test_the_reserve_admits_only_jobs_within_their_guarantee(self) -> None:
+        self.flood()
+        # B within its guarantee takes a reserved slot past A's waiter; C too.
+        self.assertTrue(self.admit("b1", "B").admitted)
+        # B's second job is above its guarantee (B holds 2 > 1): it waits like A's.
+        self.assertEqual(self.admit("b2", "B").position, 2)
+        self.assertTrue(self.admit("c1", "C").admitted)
+        # Full: D, within its guarantee, parks in the floor band, ahead of A's and B's.
+        d1 = self.admit("d1", "D")
+        self.assertEqual((d1.admitted, d1.position), (False, 1))
+        self.assertEqual(self.zstate(), (4, 2, 3, 1))
+        # A guarantee of 2 lets a tenant's second job in; a guarantee of 0 none.
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="d1").priority, 0)
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        # Reserve limited to the limit: a reserve of 9 on limit 4 keeps all 4.
+        self.e.client.flushdb()
+        self.assertFalse(self.admit("x", "X", reserve=9, guarantee=0).admitted)
+        self.assertTrue(self.admit("y", "Y", reserve=9).admitted)
+        self.assertEqual(self.e.inspect_key(tag=T, key="z").reserve, 4)
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_the_floor_band_is_served_first_whatever_the_priority(self) -> None:
+        self.flood()
+        self.admit("b1", "B")
+        self.admit("c1", "C")
+        self.assertEqual(self.admit("top", "A", priority=250).position, 1)  # general band, priority first
+        self.assertEqual(self.admit("d-low", "D", priority=0).position, 1)  # floor band: before it
+        self.assertEqual(self.admit("e-mid", "E", priority=5).position, 1)  # the band by priority too
+        state = self.e.inspect_key(tag=T, key="z", holders=False)
+        self.assertEqual((state.waiters_by_priority, state.floor_waiting), ({250: 1, 5: 1, 0: 2}, 2))
+        self.assertEqual(self.e.inspect_job(tag=T, job_id="e-mid").priority, 5)
+        self.assertEqual(self.woken("a1"), ["e-mid"])
+        self.assertEqual(self.woken("a2"), ["d-low"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_a_release_in_the_reserved_slots_wakes_only_the_floor_band(self) -> None:
+        self.flood()
+        self.admit("b1", "B")
+        self.admit("c1", "C")  # 4 holders: a1 a2 b1 c1; a3 waits (general)
+        self.assertEqual(self.woken("b1", ["t:B", "z"]), [])  # 3 holders: slot kept, a3 stays
+        self.assertEqual(self.zstate(), (3, 2, 1, 0))
+        self.assertTrue(self.admit("d1", "D").admitted)  # the kept slot goes to D at once
+        self.assertEqual(self.admit("e1", "E").position, 1)  # full: E waits in the floor band
+        self.assertEqual(self.woken("d1"), ["e1"])  # a floor-band head takes a reserved slot
+        self.assertEqual(self.woken("c1"), [])  # 3 again: a3 still may not
+        self.assertEqual(self.woken("e1"), [])  # nor at 2 = 4 - 2
+        self.assertEqual(self.woken("a1"), ["a3"])  # 1 holder, below 4 - 2: a3's turn
+        self.assertEqual(self.zstate(), (2, 2, 0, 0))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_a_job_above_its_guarantee_stays_in_the_general_band(self) -> None:
+        self.flood()
+        self.admit("b1", "B")
+        self.admit("c1", "C")
+        self.assertEqual(self.admit("b2", "B").position, 2)  # above: B holds 2
+        self.assertEqual(self.e.cancel(tag=T, job_id="a3").cancelled, True)
+        self.e.release(tag=T, job_id="b1")  # B's count falls to 1: b2 is within now ...
+        self.assertEqual(self.zstate(), (3, 2, 1, 0))  # ... but waits where it parked
+        self.assertEqual(self.woken("a1"), [])  # general: served below 4 - 2 only
+        self.assertEqual(self.woken("a2"), ["b2"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_a_lowered_reserve_or_a_raised_limit_hands_on_at_once(self) -> None:
+        self.flood()
+        self.admit("b1", "B")
+        self.admit("b2", "B")  # general, behind a3
+        self.admit("c1", "C")  # 4 holders; a3, b2 wait
+        self.e.release(tag=T, job_id="c1")
+        self.assertEqual(self.zstate(), (3, 2, 2, 0))
+        # Reserve 1: the general band's room is 3: nobody yet. Reserve 0: a3 gets the 4th.
+        self.assertEqual(self.e.set_limits(tag=T, limits=[KeyLimit("z", 4, reserve=1)]), [])
+        woken = self.e.set_limits(tag=T, limits=[KeyLimit("z", 4, reserve=0)])
+        self.assertEqual([w.job_id for w in woken], ["a3"])
+        # A mapping passes no reserve: it sets reserve 0, like an admit without one.
+        self.e.set_limits(tag=T, limits=[KeyLimit("z", 4, reserve=3)])
+        self.assertEqual(self.e.inspect_key(tag=T, key="z").reserve, 3)
+        self.assertEqual([w.job_id for w in self.e.set_limits(tag=T, limits={"z": 5})], ["b2"])
+        self.assertEqual(self.zstate(), (5, 0, 0, 0))
+        # An admit passing a lower reserve hands on before it competes (no barging).
+        self.e.set_limits(tag=T, limits=[KeyLimit("z", 5, reserve=2)])
+        self.assertEqual(self.admit("a4", "A", limit=5, reserve=2).position, 1)
+        self.e.release(tag=T, job_id="b1")  # 4 holders, general room 3: a4 stays
+        res = self.admit("a5", "A", limit=5, reserve=0)
+        self.assertEqual(([w.job_id for w in res.woken], res.position), (["a4"], 1))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_bulk_admits_decide_like_single_ones(self) -> None:
+        jobs = [("a1", "A", 0), ("a2", "A", 0), ("a3", "A", 9), ("b1", "B", 0), ("b2", "B", 0), ("c1", "C", 0)]
+        jobs += [("d1", "D", 0), ("e1", "E", 3), ("a4", "A", 0)]
+        single = [(a.admitted, a.position) for a in (self.admit(j, t, p) for j, t, p in jobs)]
+        items = [AdmitRequest("s:bulk", j, self.keys(t), 60, p, f"d-{j}") for j, t, p in jobs]
+        bulk = [(a.admitted, a.position) for a in self.e.admit_many(items)]
+        self.assertEqual(bulk, single)
+        self.assertEqual(
+            single,
+            [(True, None), (True, None), (False, 1), (True, None), (False, 2), (True, None)]
+            + [(False, 1)] * 2
+            + [(False, 5)],
+        )
+        for tag in (T, "s:bulk"):
+            self.assertEqual(self.e.check_invariants(tag=tag), [])
+        self.assertEqual(
+            self.e.inspect_key(tag="s:bulk", key="z").waiters_by_priority,
+            self.e.inspect_key(tag=T, key="z").waiters_by_priority,
+        )
+
+    def test_a_woken_job_is_judged_at_its_later_key_by_its_guard_then(self) -> None:
+        z = [KeyLimit("z", 3, reserve=1)]  # one-key jobs on z: never within a guarantee
+        j_keys = [KeyLimit("t:A", 1), KeyLimit("z", 3, reserve=1, guard="t:A", guarantee=1)]
+        # h holds t:A (limit 1): j parks there; z (limit 3, reserve 1) fills meanwhile.
+        self.assertTrue(self.plain("h", {"t:A": 1}).admitted)
+        self.assertEqual(self.plain("j", j_keys, priority=7).parked_on, "t:A")
+        self.assertTrue(self.plain("o1", z).admitted)
+        self.assertTrue(self.plain("o2", z).admitted)  # 2 = 3 - 1: others stop here
+        self.assertEqual(self.plain("o3", z).position, 1)
+        # Woken on t:A (A holds 1 <= 1, with j), j takes z's reserved slot past o3.
+        self.assertEqual(self.woken("h"), ["j"])
+        # Again with z full by then: j parks on z in the floor band, at its own priority.
+        self.e.release(tag=T, job_id="j")
+        self.plain("h", {"t:A": 1})
+        self.assertEqual(self.plain("j", j_keys, priority=7).parked_on, "t:A")
+        self.assertTrue(self.admit("b1", "B", limit=3, reserve=1).admitted)
+        self.assertEqual(self.woken("h"), [])
+        state = self.e.inspect_job(tag=T, job_id="j")
+        self.assertEqual((state.held_keys, state.parked_on, state.position, state.priority), (["t:A"], "z", 1, 7))
+        self.assertEqual(self.e.inspect_key(tag=T, key="z").waiters_by_priority, {7: 1, 0: 1})
+        self.assertEqual(self.zstate(), (3, 1, 2, 1))
+        self.assertEqual(self.woken("o1"), ["j"])  # the floor band first
+        # A job woken from the floor band of one key waits at the next in its own band (none
+        # there: no guard) at its real priority.
+        self.plain("zh", {"zz": 1})
+        k_keys = [*self.keys("K", 3, 1), KeyLimit("zz", 1)]
+        self.assertEqual(self.plain("k", k_keys, priority=5).position, 1)  # z's floor band
+        self.assertEqual(self.woken("j"), [])  # k takes z, then waits on zz
+        state = self.e.inspect_job(tag=T, job_id="k")
+        self.assertEqual((state.held_keys, state.parked_on, state.priority), (["t:K", "z"], "zz", 5))
+        zz = self.e.inspect_key(tag=T, key="zz", holders=False)
+        self.assertEqual((zz.waiters_by_priority, zz.floor_waiting), ({5: 1}, 0))
+        self.assertEqual(self.woken("zh"), ["k"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_a_woken_job_reads_its_guard_count_as_it_is_mid_call(self) -> None:
+        """A handoff writes its key's count at its end, a drop the counts of the keys it
+        frees at its end: a woken job's guard count must be today's, not what Redis holds."""
+        # In a drop: x holds g and p; y holds g and waits on p; z (limit 2, reserve 1) has
+        # one holder. x's release frees g (g's count 1, not yet written), then p: y takes it
+        # and goes on to z with g at 1 <= its guarantee 1: within, so z's kept slot.
+        self.plain("o", {"z": 2})
+        self.plain("x", {"g": 2, "p": 1})
+        y_keys = [KeyLimit("g", 2), KeyLimit("p", 1), KeyLimit("z", 2, reserve=1, guard="g", guarantee=1)]
+        self.assertEqual(self.e.admit(tag=T, job_id="y", keys=y_keys, lease_seconds=60).parked_on, "p")
+        self.assertEqual(self.woken("x"), ["y"])
+        self.assertEqual(self.e.inspect_key(tag=T, key="z", holders=True).holders, ["o", "y"])
+        # In a handoff: a raised limit wakes w on g (g's count 2, not yet written: Redis says 1);
+        # w's guarantee 1 is passed, so at z (full for it: 1 of 2, reserve 1) it waits,
+        # in the general band.
+        self.e.client.flushdb()
+        self.plain("o", {"z": 2})
+        self.plain("x", {"g": 1})
+        w_keys = [KeyLimit("g", 1), KeyLimit("z", 2, reserve=1, guard="g", guarantee=1)]
+        self.assertEqual(self.e.admit(tag=T, job_id="w", keys=w_keys, lease_seconds=60).parked_on, "g")
+        self.assertEqual(self.e.set_limits(tag=T, limits={"g": 2}), [])
+        state = self.e.inspect_job(tag=T, job_id="w")
+        self.assertEqual((state.held_keys, state.parked_on), (["g"], "z"))
+        self.assertEqual(self.zstate(), (1, 1, 1, 0))
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_hinted_release_at_a_key_with_a_reserve_takes_the_general_path(self) -> None:
+        """The written-out busy-key release (release_job.lua) serves keys without a reserve;
+        at a key with one it must leave what the general path leaves."""
+        for hint in (["z"], None):
+            with self.subTest(hint=hint):
+                self.e.client.flushdb()
+                one = [KeyLimit("z", 3, reserve=1)]
+                self.assertTrue(self.plain("p1", one).admitted)  # one-key jobs: never within
+                self.assertTrue(self.plain("p2", one).admitted)
+                self.assertEqual(self.plain("p3", one).position, 1)
+                self.assertTrue(self.admit("b1", "B", limit=3, reserve=1).admitted)  # 3 = the limit
+                # The key is at its limit and p3 a one-key head: the busy-key path would hand
+                # it the slot; the reserve keeps it.
+                self.assertEqual(self.woken("p1", hint), [])
+                self.assertEqual(self.zstate(), (2, 1, 1, 0))
+                self.assertEqual(self.admit("c1", "C", limit=3, reserve=1).admitted, True)
+                self.assertEqual(self.admit("d1", "D", limit=3, reserve=1).position, 1)  # floor band
+                self.assertEqual(self.woken("p2", hint), ["d1"])
+                self.assertEqual(self.woken("b1"), [])
+                self.assertEqual(self.woken("c1"), ["p3"])
+                self.assertEqual(self.e.check_invariants(tag=T), [])
+        # Without a reserve, a floor-band head (a guarded job: at least two keys) at a full
+        # key is served first by the hinted release too.
+        self.e.client.flushdb()
+        self.plain("h1", {"z": 2})
+        self.plain("h2", {"z": 2})
+        self.plain("w1", {"z": 2}, priority=9)
+        self.assertEqual(self.admit("f1", "F", limit=2, reserve=0).position, 1)
+        self.assertEqual(self.woken("h1", ["z"]), ["f1"])
+        self.assertEqual(self.woken("h2", ["z"]), ["w1"])
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+
+    def test_an_idle_key_forgets_its_reserve_unless_every_slot_is_reserved(self) -> None:
+        state_key = tag_keys("fq", T)[0]
+        self.admit("a1", "A")
+        self.e.release(tag=T, job_id="a1", keys=["t:A", "z"])
+        self.assertEqual({f for f in self.e.client.hkeys(state_key) if f[:1] != b"\1"}, set())
+        self.assertEqual((self.e.inspect_key(tag=T, key="z").limit, self.zstate()[1]), (None, 0))
+        # Every slot reserved: only jobs within their guarantee run; the others wait, and
+        # the key keeps its limit and reserve while they do, even with nobody holding it.
+        self.assertEqual(self.plain("o", {"z": 2}).admitted, True)
+        self.e.set_limits(tag=T, limits=[KeyLimit("z", 2, reserve=2)])
+        self.assertEqual(self.plain("w", {"z": 2}).admitted, True)  # a plain admit: reserve 0 again
+        self.e.set_limits(tag=T, limits=[KeyLimit("z", 2, reserve=2)])
+        self.assertEqual(self.admit("g1", "G", limit=2, reserve=2).position, 1)  # floor, full
+        self.e.release(tag=T, job_id="o")  # g1 takes the slot
+        self.assertEqual(self.admit("n1", "G", limit=2, reserve=2).position, 1)  # above: general
+        self.e.release(tag=T, job_id="w")
+        self.e.release(tag=T, job_id="g1")
+        self.assertEqual(self.zstate(), (0, 2, 1, 0))
+        self.assertEqual(self.e.inspect_key(tag=T, key="z").limit, 2)
+        self.assertEqual(self.e.check_invariants(tag=T), [])
+        self.assertEqual([w.job_id for w in self.e.set_limits(tag=T, limits=[KeyLimit("z", 2, reserve=1)])], ["n1"])
+
+    def test_validation_of_reserves_and_guards(self) -> None:
+        bad: list[list[KeyLimit]] = [
+            [KeyLimit("a", 1, reserve=-1)],
+            [KeyLimit("a", 1, reserve=1.5)],  # type: ignore[arg-type]
+            [KeyLimit("a", 1, reserve=True)],
+            [KeyLimit("a", 1), KeyLimit("b", 1, guarantee=-1, guard="a")],
+            [KeyLimit("a", 1), KeyLimit("b", 1, guarantee=2)],  # a guarantee without a guard
+            [KeyLimit("b", 1, guard="a", guarantee=1)],  # not one of the job's keys
+            [KeyLimit("a", 1, guard="b", guarantee=1), KeyLimit("b", 1)],  # sorts after
+            [KeyLimit("a", 1, guard="a", guarantee=1)],  # itself
+            [KeyLimit("a", 1), KeyLimit("b", 1, guard=3, guarantee=1)],  # type: ignore[arg-type]
+        ]
+        for keys in bad:
+            with self.subTest(keys=keys), self.assertRaises(ValueError):
+                self.e.admit(tag=T, job_id="j", keys=keys, lease_seconds=10)
+        with self.assertRaisesRegex(ValueError, "sorts before"):
+            self.e.admit(tag=T, job_id="j", keys=[KeyLimit("z", 1, guard="t:A", guarantee=1)], lease_seconds=10)
+        with self.assertRaisesRegex(ValueError, "belong to a job"):
+            self.e.set_limits(tag=T, limits=[KeyLimit("a", 1), KeyLimit("b", 1, guard="a", guarantee=1)])
+        with self.assertRaisesRegex(ValueError, "reserve"):
+            self.e.set_limits(tag=T, limits=[KeyLimit("a", 1, reserve=-1)])
         self.assertEqual(self.e.client.dbsize(), 0)
 
 

@@ -47,6 +47,7 @@ class EngineBenchSmokeTest(RedisTestCase):
             "release_ratio",
             "release_nohint_ratio",
             "release_floor_ratio",
+            "release_reserve_ratio",
             "park_ratio",
             "flows_park_new_ratio",
             "flows_park_ratio",
@@ -88,7 +89,7 @@ class EngineBenchSmokeTest(RedisTestCase):
                 f.write("-- a variant: any change makes another library version\n")
             variant_name = library(variant).name
             out = Path(tmp) / "ab.json"
-            for op in ("release", "release_flows", "release3", "admit"):
+            for op in ("release", "release_flows", "release3", "admit", "park", "park_flows"):
                 self.bench(
                     "engine-ab",
                     "--lua",

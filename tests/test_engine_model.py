@@ -1,6 +1,7 @@
-"""A plain-Python reference model of the engine's semantics (issue 3, fair order: issue 16),
-and checks that the real scripts agree with it on hand-written scenarios. The stateful test
-(test_engine_stateful) drives both with random operations.
+"""A plain-Python reference model of the engine's semantics (issue 3, fair order: issue 16,
+reserves and guarantees: issue 41), and checks that the real scripts agree with it on
+hand-written scenarios. The stateful test (test_engine_stateful) drives both with random
+operations.
 
 The model is deliberately naive (lists and sets, O(n) everywhere): it states *what*
 must happen, the Lua states *how* to do it cheaply.
@@ -12,6 +13,15 @@ F the finish tag of f's last job there, kept only while f has waiters there; f's
 becomes tag + cost (ops.flow_cost of the job's weight). The model also logs every park,
 service and withdrawal per (key, priority, flow) so the fairness bound can be checked on
 any run (fairness_violations).
+
+Reserves and guarantees: a key with limit L keeps R = min(reserve, L) slots for jobs within
+their guarantee (holding their guard key, whose holder count, theirs included, is at most
+their guarantee): such a job takes the key while its count is below L, any other below
+L - R. A job that parks within its guarantee waits in the floor band, before every other
+waiter of the key, whatever the priorities; its band is decided when it parks. A handoff
+serves the head while the count is below L, but a head of the general band only below
+L - R. The band is part of the queue's first sort field: 255-p, less FLOOR_BAND in the floor
+band (the engine writes the floor band's priority hex digits as characters below '0').
 """
 
 from __future__ import annotations
@@ -27,10 +37,22 @@ from fairqueue.engine.ops import DEFAULT_COST, INLINE_RECLAIM, flow_cost
 from tests.base import RedisTestCase
 
 Pair = tuple[str, str]  # (job_id, data)
-Entry = tuple[int, int, int, int, str]  # (255-p, tag, backlog start, seq, job): a key's queue order
-FlowKey = tuple[str, int, str]  # (key, 255-p, flow)
-Event = tuple[str, str, int, str]  # ("park" | "serve" | "withdraw", key, 255-p, flow)
+# (band and 255-p, tag, backlog start, seq, job): a key's queue order; the first field is
+# 255-p, less FLOOR_BAND for a waiter of the floor band
+Entry = tuple[int, int, int, int, str]
+FlowKey = tuple[str, int, str]  # (key, band and 255-p, flow)
+Event = tuple[str, str, int, str]  # ("park" | "serve" | "withdraw", key, band and 255-p, flow)
 TAG_MAX = 2**53 - 1  # TAG_MAX in lua/_lib.lua
+FLOOR_BAND = 256
+Guard = tuple[str, int]  # (guard key, guarantee)
+
+
+def order_prefix(bp: int) -> str:
+    """The first two order bytes of a waiter: 255-p in hex, or in the floor band (bp < 0)
+    each hex digit d written as the character 0x20 + d (below every hex digit)."""
+    if bp >= 0:
+        return f"{bp:02x}"
+    return "".join(chr(0x20 + int(d, 16)) for d in f"{bp + FLOOR_BAND:02x}")
 
 
 @dataclass
@@ -44,6 +66,8 @@ class MJob:
     entry: Entry | None = None  # its wait entry while parked
     limits: dict[str, int] = field(default_factory=dict)  # as its admit passed them
     flows: dict[str, tuple[str, int]] = field(default_factory=dict)  # key -> (flow, cost) as passed
+    reserves: dict[str, int] = field(default_factory=dict)  # key -> effective reserve as passed
+    guards: dict[str, Guard] = field(default_factory=dict)  # key -> (guard key, guarantee) as passed
 
 
 @dataclass
@@ -58,12 +82,14 @@ class MResult:
 
 
 class Model:
-    """Semantics: safety, direct handoff (head = highest priority, then fair order across
-    flows, FIFO within a flow), no barging, canonical multi-key order holding earlier keys
-    while parked, leases."""
+    """Semantics: safety, direct handoff (head = floor band first, then highest priority,
+    then fair order across flows, FIFO within a flow), reserves kept for jobs within their
+    guarantee, no barging, canonical multi-key order holding earlier keys while parked,
+    leases."""
 
     def __init__(self) -> None:
         self.limits: dict[str, int] = {}
+        self.reserves: dict[str, int] = {}  # effective (min(reserve, limit)), exactly with the limit
         self.holders: dict[str, set[str]] = {}
         self.waits: dict[str, list[Entry]] = {}  # key -> sorted entries, head first
         self.jobs: dict[str, MJob] = {}
@@ -72,10 +98,20 @@ class Model:
         self.flow_records: dict[FlowKey, list[int]] = {}
         self.log: list[Event] = []
 
+    def _within(self, job_id: str, key: str) -> bool:
+        """Whether the job (holding every key before `key`) is within its guarantee at key."""
+        guard = self.jobs[job_id].guards.get(key)
+        return guard is not None and job_id in self.holders.get(guard[0], ()) and self._count(guard[0]) <= guard[1]
+
+    def _bp(self, job: MJob, key: str) -> int:
+        """The queue field of job's wait at key: 255-p, less FLOOR_BAND in the floor band."""
+        assert job.entry is not None
+        return job.entry[0]
+
     def _park(self, job_id: str, key: str) -> None:
         job = self.jobs[job_id]
         flow, cost = job.flows.get(key, ("", DEFAULT_COST))
-        p = 255 - job.priority
+        p = 255 - job.priority - (FLOOR_BAND if self._within(job_id, key) else 0)
         self.seq += 1
         rec = self.flow_records.get((key, p, flow))
         if rec:  # the flow has waiters here: it goes on from its last finish tag
@@ -93,7 +129,7 @@ class Model:
         """A waiter left key's queue (served, or withdrawn): its flow has one fewer there."""
         job = self.jobs[job_id]
         flow = job.flows.get(key, ("", DEFAULT_COST))[0]
-        p = 255 - job.priority
+        p = self._bp(job, key)
         rec = self.flow_records[(key, p, flow)]
         rec[2] -= 1
         if not rec[2]:
@@ -105,22 +141,28 @@ class Model:
     def _count(self, key: str) -> int:
         return len(self.holders.get(key, ()))
 
-    def _hold(self, key: str, job: str) -> None:
+    def _hold(self, key: str, job: str, floor: bool) -> None:
         # Safety, exactly: a job only ever becomes a holder while the key is below its
-        # current limit (a lowered limit evicts nobody, but admits nobody either).
-        assert self._count(key) < self.limits.get(key, 0), (key, job, self.holders.get(key), self.limits.get(key))
+        # current limit (a lowered limit evicts nobody, but admits nobody either), and below
+        # its limit less its reserve unless the job is within its guarantee there.
+        room = self.limits.get(key, 0) - (0 if floor else self.reserves.get(key, 0))
+        assert self._count(key) < room, (key, job, self.holders.get(key), self.limits.get(key), floor)
         self.holders.setdefault(key, set()).add(job)
 
     def _grant(self, job_id: str) -> bool:
         job = self.jobs[job_id]
         while job.n < len(job.keys):
             key = job.keys[job.n]
-            # An idle key has forgotten its limit: the job brings the one its admit passed.
-            self.limits.setdefault(key, job.limits[key])
-            if self._count(key) >= self.limits[key]:
+            # An idle key has forgotten its limit and reserve: the job brings the ones its
+            # admit passed.
+            if key not in self.limits:
+                self.limits[key], self.reserves[key] = job.limits[key], job.reserves.get(key, 0)
+            c, limit = self._count(key), self.limits[key]
+            within = self._within(job_id, key)
+            if c >= limit - (0 if within else self.reserves[key]):
                 self._park(job_id, key)
                 return False
-            self._hold(key, job_id)
+            self._hold(key, job_id, within)
             job.n += 1
         job.running = True
         job.expired = False
@@ -129,10 +171,14 @@ class Model:
     def _handoff(self, key: str, woken: list[Pair]) -> None:
         queue = self.waits.get(key, [])
         while self._count(key) < self.limits.get(key, 0) and queue:
-            job_id = queue.pop(0)[-1]
+            floor = queue[0][0] < 0
+            if not floor and self._count(key) >= self.limits[key] - self.reserves[key]:
+                break  # a head of the general band: the reserved slots stay kept
+            job_id = queue[0][-1]
             self._left(job_id, key, "serve")
+            queue.pop(0)
             job = self.jobs[job_id]
-            self._hold(key, job_id)
+            self._hold(key, job_id, floor)
             job.n += 1
             if self._grant(job_id):
                 woken.append((job_id, job.data))
@@ -147,8 +193,10 @@ class Model:
         for key in job.keys[: job.n]:
             self.holders[key].discard(job_id)
             self._handoff(key, woken)
-            if not self._count(key) and self.limits[key] > 0:  # idle (nobody can wait): forgotten
-                del self.limits[key]
+            # Idle, unless every slot is reserved (then general waiters may stay): nobody can
+            # wait, and its limit and reserve are forgotten.
+            if not self._count(key) and self.limits[key] > self.reserves[key]:
+                del self.limits[key], self.reserves[key]
 
     def _reclaim(self, max_jobs: int, woken: list[Pair], reclaimed: list[Pair]) -> None:
         # expire_now gives every expired lease the score 0: Redis then orders by member.
@@ -157,11 +205,20 @@ class Model:
             reclaimed.append((job_id, self.jobs[job_id].data))
             self._drop(job_id, woken)
 
-    def _store_limits(self, limits: dict[str, int], woken: list[Pair]) -> None:
-        # All limits change at once; raised keys are then served in reverse canonical order
+    def _store_limits(self, limits: dict[str, int], reserves: dict[str, int], woken: list[Pair]) -> None:
+        # All limits and reserves change at once; keys where a waiter may now fit (a raised
+        # limit, or a raised limit less reserve) are then served in reverse canonical order
         # (a woken job only moves on to later keys, whose queues are then already served).
-        raised = [k for k in sorted(limits) if self.limits.get(k) is None or limits[k] > self.limits[k]]
+        new = {k: min(reserves.get(k, 0), limits[k]) for k in limits}
+        raised = [
+            k
+            for k in sorted(limits)
+            if self.limits.get(k) is None
+            or limits[k] > self.limits[k]
+            or limits[k] - new[k] > self.limits[k] - self.reserves[k]
+        ]
         self.limits.update(limits)
+        self.reserves.update(new)
         for key in reversed(raised):
             self._handoff(key, woken)
 
@@ -181,18 +238,32 @@ class Model:
         priority: int,
         data: str,
         flows: dict[str, tuple[str, float]] | None = None,
+        reserves: dict[str, int] | None = None,
+        guards: dict[str, Guard] | None = None,
     ) -> MResult:
-        """``flows``: key -> (flow, weight) for the keys not in the default flow."""
+        """``flows``: key -> (flow, weight) for the keys not in the default flow;
+        ``reserves``: key -> reserve (0 when missing); ``guards``: key -> (guard key,
+        guarantee) for the keys where the job passes a guard."""
         res = MResult()
         self._reclaim(INLINE_RECLAIM, res.woken, res.reclaimed)
         if job_id in self.jobs:
             res.duplicate = True
             return self._state(job_id, res)
-        # Changed limits of keys in use are stored (a raise hands on first); an idle key's
-        # limit is stored when the job takes or parks on it (_grant).
-        self._store_limits({k: v for k, v in limits.items() if k in self.limits}, res.woken)
+        reserves = {k: min((reserves or {}).get(k, 0), v) for k, v in limits.items()}
+        # Changed limits and reserves of keys in use are stored (where room appears it is
+        # handed on first); an idle key's are stored when the job takes or parks on it (_grant).
+        changed = {k: v for k, v in limits.items() if k in self.limits and (v, reserves[k]) != self.stored(k)}
+        self._store_limits(changed, reserves, res.woken)
         costs = {k: (f, flow_cost(w)) for k, (f, w) in (flows or {}).items()}
-        self.jobs[job_id] = MJob(sorted(limits), priority, data, limits=dict(limits), flows=costs)
+        self.jobs[job_id] = MJob(
+            sorted(limits),
+            priority,
+            data,
+            limits=dict(limits),
+            flows=costs,
+            reserves=reserves,
+            guards=dict(guards or {}),
+        )
         self._grant(job_id)
         return self._state(job_id, res)
 
@@ -228,10 +299,15 @@ class Model:
         self._reclaim(max_jobs, res.woken, res.reclaimed)
         return res
 
-    def set_limits(self, limits: dict[str, int]) -> list[Pair]:
+    def set_limits(self, limits: dict[str, int], reserves: dict[str, int] | None = None) -> list[Pair]:
+        """A key missing from ``reserves`` gets none (as an admit passing no reserve)."""
         woken: list[Pair] = []
-        self._store_limits(limits, woken)
+        self._store_limits(limits, reserves or {}, woken)
         return woken
+
+    def stored(self, key: str) -> tuple[int, int] | None:
+        """(limit, effective reserve) stored for a key in use, None for an idle one."""
+        return (self.limits[key], self.reserves[key]) if key in self.limits else None
 
     # --- views ----------------------------------------------------------------------
     def position(self, job_id: str) -> int:
@@ -243,13 +319,21 @@ class Model:
         return [e[-1] for e in self.waits.get(key, [])]
 
     def queue_orders(self, key: str) -> list[tuple[str, str]]:
-        """(job, order bytes as the engine writes them: 255-p, tag, backlog start, seq)."""
-        return [(j, f"{p:02x}{tag:016x}{start:012x}{seq:012x}") for p, tag, start, seq, j in self.waits.get(key, [])]
+        """(job, order bytes as the engine writes them: band and 255-p, tag, backlog start, seq)."""
+        return [
+            (j, f"{order_prefix(p)}{tag:016x}{start:012x}{seq:012x}")
+            for p, tag, start, seq, j in self.waits.get(key, [])
+        ]
+
+    def floor_waiting(self, key: str) -> int:
+        """How many of key's waiters are in the floor band."""
+        return sum(1 for e in self.waits.get(key, []) if e[0] < 0)
 
     def records(self) -> dict[tuple[str, str], tuple[str, int]]:
-        """(key, fp) -> (finish tag and backlog start as stored, waiters), fp = 255-p hex + flow."""
+        """(key, fp) -> (finish tag and backlog start as stored, waiters), fp = the band and
+        255-p as the order bytes write them, then the flow."""
         return {
-            (key, f"{p:02x}{flow}"): (f"{fin:016x}{start:012x}", n)
+            (key, f"{order_prefix(p)}{flow}"): (f"{fin:016x}{start:012x}", n)
             for (key, p, flow), (fin, start, n) in self.flow_records.items()
         }
 
@@ -325,15 +409,23 @@ def engine_records(engine: Engine, tag: str) -> dict[tuple[str, str], tuple[str,
 
 
 def assert_agree(case: RedisTestCase, engine: Engine, model: Model, tag: str, keys: list[str]) -> None:
-    """Same holders, same queues (in order), same limits, and the scripts' own audit is clean."""
+    """Same holders, same queues (in order, bands included), same limits and reserves, the
+    reserves' invariant, and the scripts' own audit is clean."""
     for key in keys:
         state = engine.inspect_key(tag=tag, key=key)
         case.assertEqual(sorted(state.holders), model.holders_of(key), f"holders of {key}")
         case.assertEqual(engine_queue(engine, tag, key), model.queue_orders(key), f"queue of {key}")
         case.assertEqual(state.limit, model.limits.get(key), f"limit of {key}")
+        case.assertEqual(state.reserve, model.reserves.get(key, 0), f"reserve of {key}")
         case.assertEqual(state.waiting, len(model.waiting_order(key)))
+        case.assertEqual(state.floor_waiting, model.floor_waiting(key), f"floor band of {key}")
+        case.assertEqual(sum(state.waiters_by_priority.values()), state.waiting)
+        # Waiters only where no slot is free for them: the general band's end at the limit
+        # less the reserve, the floor band's at the limit.
         if state.waiting:
-            case.assertGreaterEqual(state.held, state.limit or 0, f"room with waiters on {key}")
+            case.assertGreaterEqual(state.held, (state.limit or 0) - state.reserve, f"room with waiters on {key}")
+        if state.floor_waiting:
+            case.assertGreaterEqual(state.held, state.limit or 0, f"room with floor-band waiters on {key}")
     case.assertEqual(engine_records(engine, tag), model.records(), "flow records")
     case.assertEqual(engine.check_invariants(tag=tag), [])
     case.assertEqual(

@@ -1,8 +1,10 @@
 """Hypothesis drives the real scripts and the reference model with random admits (in random
-flows of fixed weights on each key), re-admits, releases, cancels, renewals, limit changes
+flows of fixed weights on each key, with random reserves on some keys and guards with
+guarantees on some), re-admits, releases, cancels, renewals, limit and reserve changes
 (set_limits and via admit) and lease expiries, and checks on every step that they agree,
-that the invariants hold and that the fairness bound holds (fairness_violations). A second
-test drives one key with backlogged flows only and checks the bound on the real order."""
+that the invariants hold (the reserves' among them) and that the fairness bound holds
+(fairness_violations). A second test drives one key with backlogged flows only and checks
+the bound on the real order."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ flow_names = st.sampled_from(sorted(WEIGHTS))
 TAG = "s:stateful"
 key_sets = st.lists(st.sampled_from(POOL), min_size=1, max_size=3, unique=True)
 limits = st.integers(min_value=0, max_value=3)
+reserves = st.integers(min_value=0, max_value=3)
+guarantees = st.integers(min_value=0, max_value=3)
 priorities = st.sampled_from([0, 0, 1, 5, 250])
 # The suite runs 60 examples; a soak before changing the Lua runs many more, e.g.
 # FAIRQUEUE_HYPOTHESIS_EXAMPLES=1500 python manage.py test tests.test_engine_stateful
@@ -60,24 +64,35 @@ class EngineMachine(RuleBasedStateMachine):
         assert real_woken == want.woken, (real_woken, want.woken)
         assert real_reclaimed == want.reclaimed, (real_reclaimed, want.reclaimed)
 
-    def limits_for(self, keys: list[str], data: st.DataObject) -> dict[str, int]:
-        # Usually the current limit (as a real caller would), sometimes a change.
-        out = {}
+    def limits_for(self, keys: list[str], data: st.DataObject) -> tuple[dict[str, int], dict[str, int]]:
+        # Usually the current limit and reserve (as a real caller would), sometimes a change.
+        out, res = {}, {}
         for key in keys:
-            current = self.model.limits.get(key)
-            out[key] = data.draw(limits) if current is None or data.draw(st.integers(0, 3)) == 0 else current
-        return out
+            current = self.model.stored(key)
+            if current is None or data.draw(st.integers(0, 3)) == 0:
+                out[key], res[key] = data.draw(limits), data.draw(st.one_of(st.just(0), reserves))
+            else:
+                out[key], res[key] = current
+        return out, res
 
     @rule(keys=key_sets, priority=priorities, data=st.data())
     def admit(self, keys: list[str], priority: int, data: st.DataObject) -> None:
         self.next_id += 1
         job = f"j{self.next_id:04d}"
         self.known.append(job)
-        lim = self.limits_for(keys, data)
+        lim, res = self.limits_for(keys, data)
         flows = {k: data.draw(flow_names) for k in keys}
-        args = [KeyLimit(k, v, flows[k], WEIGHTS[flows[k]]) for k, v in lim.items()]
+        # A guard on some of the keys after the first: an earlier key, and a guarantee.
+        ordered = sorted(keys)
+        guards = {
+            k: (data.draw(st.sampled_from(ordered[:i])), data.draw(guarantees))
+            for i, k in enumerate(ordered)
+            if i and data.draw(st.booleans())
+        }
+        args = [KeyLimit(k, v, flows[k], WEIGHTS[flows[k]], res[k], *guards.get(k, (None, 0))) for k, v in lim.items()]
         real = self.engine.admit(tag=TAG, job_id=job, keys=args, priority=priority, lease_seconds=60, data=f"d{job}")
-        want = self.model.admit(job, lim, priority, f"d{job}", {k: (f, WEIGHTS[f]) for k, f in flows.items()})
+        flow_weights = {k: (f, WEIGHTS[f]) for k, f in flows.items()}
+        want = self.model.admit(job, lim, priority, f"d{job}", flow_weights, res, guards)
         assert (real.admitted, real.parked_on, real.position) == (want.admitted, want.parked_on, want.position)
         assert not real.duplicate
         self.check([(w.job_id, w.data) for w in real.woken], [(w.job_id, w.data) for w in real.reclaimed], want)
@@ -121,8 +136,15 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(keys=key_sets, data=st.data())
     def set_limits(self, keys: list[str], data: st.DataObject) -> None:
         lim = {k: data.draw(limits) for k in keys}
-        real = self.engine.set_limits(tag=TAG, limits=lim)
-        assert [(w.job_id, w.data) for w in real] == self.model.set_limits(lim)
+        res = {k: data.draw(st.one_of(st.just(0), reserves)) for k in keys}
+        # A mapping sets no reserve; KeyLimits set theirs.
+        args = (
+            lim
+            if not any(res.values()) and data.draw(st.booleans())
+            else [KeyLimit(k, v, reserve=res[k]) for k, v in lim.items()]
+        )
+        real = self.engine.set_limits(tag=TAG, limits=args)
+        assert [(w.job_id, w.data) for w in real] == self.model.set_limits(lim, res)
 
     @rule(data=st.data())
     def expire(self, data: st.DataObject) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from django.test import SimpleTestCase
 
-from fairqueue.engine.ops import flow_cost
+from fairqueue.engine.ops import KeySpec, flow_cost
 from fairqueue.jobs.admission import LiveSignals
 from fairqueue.jobs.limits_plan import limits_plan
 from fairqueue.simulation.calibration import Distribution, Latencies, latencies_measure
@@ -58,13 +58,21 @@ def peak(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
+def random_guards(rnd: random.Random, keys: list[str]) -> dict[str, tuple[str, int]]:
+    """Guards on some of the keys after a job's first: an earlier key and a guarantee."""
+    ordered = sorted(keys)
+    return {k: (rnd.choice(ordered[:i]), rnd.randint(0, 3)) for i, k in enumerate(ordered) if i and rnd.random() < 0.5}
+
+
 class EngineModelAgrees(SimpleTestCase):
     """The fast model (heaps, lazy withdrawal) against the reference model (lists), on
-    random admits in random flows and priorities, releases, cancels and limit changes:
-    same admissions, same woken jobs in the same order, same queues, counts, limits and
-    flow records after every step."""
+    random admits in random flows and priorities, with random reserves and guards,
+    releases, cancels and limit and reserve changes: same admissions, same woken jobs in
+    the same order, same queues, counts, limits, reserves and flow records after every
+    step."""
 
     def test_random_operations(self) -> None:
+        floor_parks = floor_served = 0
         for trial in range(400):
             rnd = random.Random(trial)
             ref, fast = Model(), EngineModel()
@@ -79,10 +87,23 @@ class EngineModelAgrees(SimpleTestCase):
                         k: ref.limits[k] if k in ref.limits and rnd.random() < 0.8 else rnd.randint(0, 3) for k in keys
                     }
                     flows = {k: rnd.choice(sorted(WEIGHTS)) for k in keys}
+                    reserves = {k: rnd.randint(0, 3) for k in keys if rnd.random() < 0.4}
+                    guards = random_guards(rnd, keys)
                     priority = rnd.choice([0, 0, 1, 5, 250])
-                    want = ref.admit(str(next_id), limits, priority, "", {k: (f, WEIGHTS[f]) for k, f in flows.items()})
+                    flow_weights = {k: (f, WEIGHTS[f]) for k, f in flows.items()}
+                    want = ref.admit(str(next_id), limits, priority, "", flow_weights, reserves, guards)
                     woken: list[int] = []
-                    specs = sorted((k, limits[k], flows[k], flow_cost(WEIGHTS[flows[k]])) for k in keys)
+                    specs = sorted(
+                        KeySpec(
+                            k,
+                            limits[k],
+                            flows[k],
+                            flow_cost(WEIGHTS[flows[k]]),
+                            min(reserves.get(k, 0), limits[k]),
+                            *guards.get(k, (None, 0)),
+                        )
+                        for k in keys
+                    )
                     self.assertEqual(fast.admit(next_id, specs, priority, woken), want.admitted, where)
                     self.assertEqual(woken, [int(j) for j, _ in want.woken], where)
                 elif op < 0.8 and ref.jobs:
@@ -99,14 +120,21 @@ class EngineModelAgrees(SimpleTestCase):
                     self.assertEqual(woken, [int(j) for j, _ in want.woken], where)
                 else:
                     limits = {k: rnd.randint(0, 3) for k in rnd.sample(KEYS, rnd.randint(1, 4))}
+                    reserves = {k: rnd.randint(0, 3) for k in limits if rnd.random() < 0.5}
                     woken = []
-                    fast.set_limits(limits, woken)
-                    self.assertEqual(woken, [int(j) for j, _ in ref.set_limits(limits)], where)
+                    fast.set_limits(limits, woken, reserves)
+                    self.assertEqual(woken, [int(j) for j, _ in ref.set_limits(limits, reserves)], where)
                 for key in KEYS:
                     self.assertEqual(fast.waiting_order(key), [int(j) for j in ref.waiting_order(key)], where)
                     self.assertEqual(fast.count(key), len(ref.holders.get(key, ())), where)
                     self.assertEqual(fast.limits.get(key), ref.limits.get(key), where)
+                    self.assertEqual(fast.reserves.get(key), ref.reserves.get(key), where)
                 self.assertEqual(fast.flows, ref.flow_records, where)
+            floor_parks += sum(1 for event, _, p, _ in ref.log if event == "park" and p < 0)
+            floor_served += sum(1 for event, _, p, _ in ref.log if event == "serve" and p < 0)
+        # The runs exercise the floor band, not only the general one (several hundred of each).
+        self.assertGreater(floor_parks, 300)
+        self.assertGreater(floor_served, 100)
 
 
 class SchedulerScenarios(SimpleTestCase):

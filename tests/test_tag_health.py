@@ -9,6 +9,7 @@ import tempfile
 from django.test import override_settings
 
 from fairqueue.engine import Engine, TagHealth
+from fairqueue.engine.keys import STAMP_FIELD, key_name
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.recovery import state_ensure, writes_lost
@@ -28,7 +29,7 @@ class TagHealthTests(RedisTestCase):
         self.assertEqual(e.tags_health(["s:h"]), {"s:h": TagHealth.NOT_READY})
         self.assertTrue(e.init_tag(tag="s:h"))
         self.assertEqual(e.tags_health(["s:h", "s:other"]), {"s:h": TagHealth.READY, "s:other": TagHealth.NOT_READY})
-        self.redis.hset("fq:{s:h}:v5:state", "\x01stamp", "some-other-server:history")
+        self.redis.hset(key_name("fq", "s:h", "state"), STAMP_FIELD, "some-other-server:history")
         self.assertEqual(e.tags_health(["s:h"]), {"s:h": TagHealth.FOREIGN})
         self.assertEqual(e.reset_tag(tag="s:h"), 1)
         self.assertEqual(e.tags_health(["s:h"]), {"s:h": TagHealth.NOT_READY})

@@ -68,7 +68,7 @@ TARGETS = {"admit_ratio": 8.0, "release_ratio": 9.0, "admit3_ratio": 20.0, "scal
 FLOWS = 1_000  # the flows of the many-flows case, all on one key
 
 
-AB_OPERATIONS = ("release", "release_flows", "release3", "admit")
+AB_OPERATIONS = ("release", "release_flows", "release3", "admit", "park", "park_flows")
 CHUNK = 200  # calls per measured batch; a trivial batch of the same size runs before each
 
 
@@ -191,6 +191,7 @@ class Bench:
         park = release.pop("park")
         release_nohint = self.release_cost("  the same without the keys hint", hint=False)
         release_floor = self.release_cost("  its 8 Redis commands alone (floor)", hint=True, floor=True)
+        release_reserve = self.release_cost("  the same at a key with a reserve", hint=True, reserve=True)
         flows = self.flows_cost()
         trivial_fcall = self.measured(
             "trivial one-liner as a function", [("FCALL", "fq_bench_trivial", 1, "bench:trivial")] * n
@@ -205,6 +206,7 @@ class Bench:
                 "release": release["trivial_us"],
                 "release_nohint": release_nohint["trivial_us"],
                 "release_floor": release_floor["trivial_us"],
+                "release_reserve": release_reserve["trivial_us"],
                 "trivial_fcall": trivial_fcall["trivial_us"],
                 "park": park["trivial_us"],
                 **{f"flows_{name}": row["trivial_us"] for name, row in flows.items()},
@@ -219,22 +221,30 @@ class Bench:
             "release_server_us": release["us"],
             "release_nohint_server_us": release_nohint["us"],
             "release_floor_server_us": release_floor["us"],
+            "release_reserve_server_us": release_reserve["us"],
             "admit_ratio": admit["ratio"],
             "admit3_ratio": admit3["ratio"],
             "release_ratio": release["ratio"],
             "release_nohint_ratio": release_nohint["ratio"],
             "release_floor_ratio": release_floor["ratio"],
+            "release_reserve_ratio": release_reserve["ratio"],
         }
 
-    def release_cost(self, name: str, hint: bool, floor: bool = False, park: bool = False) -> dict[str, Any]:
+    def release_cost(
+        self, name: str, hint: bool, floor: bool = False, park: bool = False, reserve: bool = False
+    ) -> dict[str, Any]:
         """One holder and n parked waiters on a limit-1 key: each release hands the slot on.
         With ``hint`` the release names the job's keys, as FairQueue's workers do; with
         ``floor`` the same data is released by the bare commands of TRIVIAL_LIBRARY. With
-        ``park`` the n admits that park (one flow: the default) are measured too."""
+        ``park`` the n admits that park (one flow: the default) are measured too. With
+        ``reserve`` the key has limit 2 and reserve 1 instead (one-key jobs are never within
+        a guarantee, so they stop at 1 holder the same way): such a key's release takes the
+        general path, whatever the hint."""
         self.client.flushdb()
         n = self.sizes.server_calls
         first = self.serial + 1
-        parks = [self.admit_args({"h": 1}) for _ in range(n + 1)]
+        job_keys: dict[str, int] | list[KeyLimit] = [KeyLimit("h", 2, reserve=1)] if reserve else {"h": 1}
+        parks = [self.admit_args(job_keys) for _ in range(n + 1)]
         self.pipelined(parks[:1])
         parked = self.measured("one-key admit that parks (one flow)", parks[1:]) if park else None
         if not park:
@@ -427,6 +437,7 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
     log("Ratios (targets in brackets):")
     log(f"  admit / trivial        {result['admit_ratio']:6.2f}x  [<= 8]")
     log(f"  release / trivial      {result['release_ratio']:6.2f}x  [<= 9]")
+    log(f"  ... at a reserved key  {result['release_reserve_ratio']:6.2f}x         (the general path)")
     log(f"  ... across {result['flows']} flows {result['flows_release_ratio']:6.2f}x  [<= 9]")
     log(f"  park / trivial         {result['park_ratio']:6.2f}x         (one flow)")
     log(
@@ -443,20 +454,30 @@ def run(url: str, quick: bool = False, log: Callable[[str], None] = print) -> di
     return result
 
 
-def ab_parked(bench: Bench, version: Library, n: int, operation: str, calls: int) -> list[tuple[Any, ...]]:
-    """For ``engine-ab``: one holder and ``calls`` jobs parked on a limit-1 key of tag
-    ``TAG<n>`` by ``version``'s own admit (``release_flows``: round-robin over FLOWS flows of
-    weight 1, so each handoff goes to another flow); returns the hinted releases, by that
-    version's function, that hand the slot on through them in order."""
-    tag, key = f"{TAG}{n}", "h" if operation == "release" else "f"
-    admit, release = version.function("admit_job"), version.function("release_job")
-    jobs = [f"v{n}-{i}" for i in range(calls + 1)]
+def ab_parks(bench: Bench, version: Library, n: int, operation: str, calls: int) -> list[tuple[Any, ...]]:
+    """For ``engine-ab``: ``calls + 1`` admits, by ``version``'s own function, on a limit-1
+    key of tag ``TAG<n>``: the first takes the key, the others park (``*_flows``:
+    round-robin over FLOWS flows of weight 1; otherwise the default flow)."""
+    tag, key = f"{TAG}{n}", "f" if operation.endswith("_flows") else "h"
+    admit = version.function("admit_job")
     parks = []
-    for i, job in enumerate(jobs):
-        keys = {key: 1} if operation == "release" else [KeyLimit(key, 1, f"tenant:{i % FLOWS}", 1.0)]
-        call = bench.call_args(ops.admit("fq", tag=tag, job_id=job, keys=keys, priority=0, lease_seconds=600, data=""))
+    for i in range(calls + 1):
+        keys = [KeyLimit(key, 1, f"tenant:{i % FLOWS}", 1.0)] if key == "f" else {key: 1}
+        call = bench.call_args(
+            ops.admit("fq", tag=tag, job_id=f"v{n}-{i}", keys=keys, priority=0, lease_seconds=600, data="")
+        )
         parks.append(("FCALL", admit, *call[2:]))
-    bench.pipelined(parks)
+    return parks
+
+
+def ab_parked(bench: Bench, version: Library, n: int, operation: str, calls: int) -> list[tuple[Any, ...]]:
+    """For ``engine-ab``: one holder and ``calls`` jobs parked (``ab_parks``, run here);
+    returns the hinted releases, by that version's function, that hand the slot on through
+    them in order."""
+    tag, key = f"{TAG}{n}", "f" if operation.endswith("_flows") else "h"
+    release = version.function("release_job")
+    jobs = [f"v{n}-{i}" for i in range(calls + 1)]
+    bench.pipelined(ab_parks(bench, version, n, operation, calls))
     return [
         ("FCALL", release, *bench.call_args(ops.release("fq", tag=tag, job_id=job, keys=[key]))[2:])
         for job in jobs[:calls]
@@ -477,7 +498,9 @@ def run_ab(
     on; ``release_flows``: the same with the parked jobs spread round-robin over FLOWS flows
     (weight 1 each), so each handoff goes to another flow; ``release3``: hinted releases of
     three-key jobs on keys that never fill (the shape of FairQueue's own jobs: tenant,
-    shard, sub-tenant); ``admit``: one-key admits on ten keys that never fill. Every loaded
+    shard, sub-tenant); ``admit``: one-key admits on ten keys that never fill; ``park`` and
+    ``park_flows``: the admits that park of ``release`` and ``release_flows``, measured
+    themselves (each version parking on a tag of its own). Every loaded
     library costs each FCALL (the Lua GC marks it), so absolute ratios run higher than the main bench's;
     the differences between versions are the figure. Variant libraries are deleted after.
     """
@@ -495,13 +518,19 @@ def run_ab(
             bench.client.function_load(version.source, replace=True)
         ratios: dict[str, list[float]] = {v.name: [] for v in versions}
         trivial = [bench.trivial_args()] * CHUNK
-        if operation in ("release", "release_flows"):
+        if operation in ("release", "release_flows", "park", "park_flows"):
             # Parked jobs are stored in the layout of the code that parked them, and two
             # versions may differ in it: each version parks its share on a tag of its own
             # with its own admit, and releases only those.
-            work_of = {
-                v.name: ab_parked(bench, v, n, operation, calls // len(versions)) for n, v in enumerate(versions)
-            }
+            share = calls // len(versions)
+            if operation.startswith("park"):
+                work_of = {}
+                for n, v in enumerate(versions):
+                    parks = ab_parks(bench, v, n, operation, share)
+                    bench.pipelined(parks[:1])  # the holder: every admit after it parks
+                    work_of[v.name] = parks[1:]
+            else:
+                work_of = {v.name: ab_parked(bench, v, n, operation, share) for n, v in enumerate(versions)}
             for start in range(0, calls // len(versions) - CHUNK + 1, CHUNK):
                 for version in versions:
                     base = bench.batch_us(trivial)

@@ -291,7 +291,9 @@ class Engine(_Base):
 
         A parked job waits by priority, then in fair order across the flows waiting on
         that key (``KeyLimit(name, limit, flow, weight)``; the default flow ``""`` at weight
-        1 for plain ``{name: limit}``), FIFO within its flow (docs/engine.md)."""
+        1 for plain ``{name: limit}``), FIFO within its flow (docs/engine.md). A key's
+        ``reserve`` keeps slots for jobs within their ``guarantee`` on their ``guard`` key,
+        which also wait first (docs/engine.md, "Reserves and guarantees")."""
         return self._run(self._admit(tag, job_id, keys, priority, lease_seconds, data, require_ready))
 
     def admit_many(self, items: Iterable[AdmitRequest], *, require_ready: bool = False) -> list[Admission]:
@@ -339,7 +341,9 @@ class Engine(_Base):
 
     def set_limits(self, *, tag: str, limits: KeysArg, require_ready: bool = False) -> list[Woken]:
         """Store limits now (an operator change); a raised limit wakes waiters at once.
-        With ``require_ready`` a tag not ready (see ``init_tag``) is left untouched."""
+        Each key's reserve is set with its limit (``KeyLimit(name, limit, reserve=r)``; 0
+        for ``{name: limit}``), and a lowered one wakes waiters at once too. With
+        ``require_ready`` a tag not ready (see ``init_tag``) is left untouched."""
         return self._run(ops.set_limits(self.prefix, tag=tag, limits=limits, require_ready=require_ready))
 
     def inspect_key(self, *, tag: str, key: str, holders: bool = True) -> KeyState:
@@ -384,8 +388,8 @@ class Engine(_Base):
         return out
 
     def set_limits_many(self, limits: dict[str, KeysArg], *, require_ready: bool = False) -> dict[str, list[Woken]]:
-        """``set_limits`` for many tags (tag -> limits) in one pipelined round trip, each
-        call atomic on its own tag."""
+        """``set_limits`` for many tags (tag -> limits, with their reserves) in one pipelined
+        round trip, each call atomic on its own tag."""
         tags = list(limits)
         calls = [ops.set_limits(self.prefix, tag=t, limits=limits[t], require_ready=require_ready) for t in tags]
         return dict(zip(tags, self._run_many(calls), strict=True))

@@ -28,7 +28,9 @@ KEY_NAMES: tuple[str, ...] = ("state", "waits", "leases", "clock")
 #: Version of the data layout (field kinds, spec and wait-entry formats) in lua/_lib.lua.
 #: Bump it with any change to them. 5: fair order (the virtual tag and the flow's backlog
 #: start in the wait order, the flow part in the wait entry, the "\4"/"\5" flow records).
-LAYOUT = 5
+#: 6: reserves and guarantees (a limit field "L:R" with its reserve, the floor band's
+#: priority bytes, guards in a parked job's "\3" record).
+LAYOUT = 6
 
 #: The ``state`` field that marks a tag ready (``READY`` in lua/_lib.lua).
 READY_FIELD = "\x01ready"

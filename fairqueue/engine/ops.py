@@ -12,7 +12,8 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from operator import itemgetter
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from .keys import tag_keys
 from .results import (
@@ -125,66 +126,141 @@ def flow_cost(weight: float) -> int:
     return max(1, min(MAX_COST, round(DEFAULT_COST / weight)))
 
 
-def key_specs(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int, str, int]]:
-    """Validated (key, limit, flow, cost) in canonical (sorted) order.
+class KeySpec(NamedTuple):
+    """One key of a job as the engine takes it (``key_specs``): ``cost`` is its flow's
+    (``flow_cost`` of the weight), ``reserve`` the effective one (``min(reserve, limit)``),
+    ``guard`` the name of an earlier key of the job or None."""
+
+    name: str
+    limit: int
+    flow: str
+    cost: int
+    reserve: int
+    guard: str | None
+    guarantee: int
+
+
+def _check_count(what: str, name: str, value: object) -> int:
+    """A key's limit, reserve or guarantee: an int >= 0. The error's text is built only for
+    a bad value: every admit checks three per key."""
+    if type(value) is int and value >= 0:
+        return value
+    return _check_int(f"{what} of {name!r}", value, 0)
+
+
+def _check_guard(name: str, guard: object, guarantee: int, job: bool) -> None:
+    if not job:
+        raise ValueError(f"set_limits takes limits and reserves; a guard and guarantee belong to a job ({name!r})")
+    if guard is not None and not isinstance(guard, str):
+        raise ValueError(f"the guard of {name!r} must be a key name, got {guard!r}")
+    if guard is None:
+        raise ValueError(f"a guarantee needs a guard: {name!r} has guarantee {guarantee} and no guard")
+
+
+_BY_NAME = itemgetter(0)
+_new_spec = tuple.__new__  # KeySpec(...) through its generated __new__ costs an admit ~0.2 µs a key
+
+
+def key_specs(keys: KeysArg, *, allow_empty: bool = False, job: bool = True) -> list[KeySpec]:
+    """Validated ``KeySpec``s in canonical (sorted) order.
 
     Sorting here gives every job the same key order, which is what rules out deadlock;
-    the scripts trust it."""
+    the scripts trust it. ``job=False`` (``set_limits``: limits and reserves only) refuses
+    guards and guarantees, which describe a job."""
     items: Iterable[Any] = keys.items() if isinstance(keys, Mapping) else keys
-    specs: list[tuple[str, int, str, int]] = []
+    specs: list[KeySpec] = []
+    guarded = False
     for item in items:
         if isinstance(item, KeyLimit):
             name, limit, flow, weight = item.name, item.limit, item.flow, item.weight
+            reserve, guard, guarantee = item.reserve, item.guard, item.guarantee
+            name = _check_key_name(name)
+            if reserve or reserve.__class__ is not int:
+                reserve = _check_count("reserve", name, reserve)
+            if guarantee or guarantee.__class__ is not int or guard is not None:
+                guarantee = _check_count("guarantee", name, guarantee)
+                _check_guard(name, guard, guarantee, job)
+                guarded = True
         else:
             name, limit = item
-            flow, weight = "", 1.0
-        specs.append(
-            (_check_key_name(name), _check_int(f"limit of {name!r}", limit, 0), _check_flow(flow), flow_cost(weight))
+            name = _check_key_name(name)
+            flow, weight, reserve, guard, guarantee = "", 1.0, 0, None, 0
+        limit = _check_count("limit", name, limit)
+        spec = (
+            name,
+            limit,
+            _check_flow(flow),
+            flow_cost(weight),
+            reserve if reserve < limit else limit,
+            guard,
+            guarantee,
         )
+        specs.append(_new_spec(KeySpec, spec))
     if not specs and not allow_empty:
         raise ValueError("a job needs at least one key")
     names = [spec[0] for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate keys: {sorted(names)}")
-    specs.sort(key=lambda spec: spec[0])
+    if guarded:
+        for spec in specs:
+            if spec.guard is not None and (spec.guard not in names or not spec.guard < spec.name):
+                raise ValueError(
+                    f"the guard of {spec.name!r} must be another key of the job that sorts before it,"
+                    f" got {spec.guard!r}"
+                )
+    specs.sort(key=_BY_NAME)
     return specs
 
 
-def key_limits(keys: KeysArg, *, allow_empty: bool = False) -> list[tuple[str, int]]:
-    """Validated (key, limit) pairs in canonical (sorted) order (flows are checked and dropped)."""
-    return [(name, limit) for name, limit, _, _ in key_specs(keys, allow_empty=allow_empty)]
+def limit_arg(spec: KeySpec) -> str | int:
+    """A key's limit as the scripts take it: the limit, or "L:R" with its reserve (lr in
+    lua/_lib.lua), so a limit and its reserve are stored, compared and forgotten together."""
+    return f"{spec.limit}:{spec.reserve}" if spec.reserve else spec.limit
 
 
-def flows_arg(specs: list[tuple[str, int, str, int]]) -> str:
-    """The admit's flows argument (flow_of in lua/_lib.lua): "" when every key has the default
-    flow "" at the default cost, else flow "\\1" cost per key, joined by "\\0" in key order."""
-    if all(flow == "" and cost == DEFAULT_COST for _, _, flow, cost in specs):
+def flows_arg(specs: list[KeySpec]) -> str:
+    """The admit's flows argument (key_arg in lua/_lib.lua): "" when every key has the
+    default flow "" at the default cost and no reserve or guard (the scripts then read the
+    limits as plain numbers); else flow "\\1" cost per key, then "\\1" guard index (1-based,
+    in key order) "\\1" guarantee for a key with a guard, joined by "\\0" in key order."""
+    if all(
+        flow == "" and cost == DEFAULT_COST and not reserve and guard is None
+        for _, _, flow, cost, reserve, guard, _ in specs
+    ):
         return ""
-    return "\0".join(f"{flow}\1{cost}" for _, _, flow, cost in specs)
+    parts: list[str] = []
+    index: dict[str, int] = {}
+    for _, _, flow, cost, _, guard, guarantee in specs:
+        if guard is None:
+            parts.append(f"{flow}\1{cost}")
+        else:
+            index = index or {spec[0]: i for i, spec in enumerate(specs, 1)}
+            parts.append(f"{flow}\1{cost}\1{index[guard]}\1{guarantee}")
+    return "\0".join(parts)
 
 
-def _flatten(pairs: list[tuple[str, int]]) -> list[str | int]:
+def _flatten(specs: list[KeySpec]) -> list[str | int]:
     flat: list[str | int] = []
-    for name, limit in pairs:
-        flat += [name, limit]
+    for spec in specs:
+        flat += [spec[0], limit_arg(spec)]
     return flat
 
 
 #: The shared part of an admit's ARGV (priority, lease, require_ready, flows, then key,
-#: limit pairs): what ``admit_shape`` encodes once for jobs alike.
+#: limit pairs, each limit with its reserve): what ``admit_shape`` encodes once for jobs alike.
 Shape = tuple[str | int, ...]
 
 
 def admit_shape(keys: KeysArg, *, priority: int, lease_seconds: float, require_ready: bool = False) -> Shape:
     """Validate and encode what an admit's ARGV holds besides the job id and its data:
-    priority, lease, require_ready, flows and the key, limit pairs (lua/admit_job.lua)."""
+    priority, lease, require_ready, flows (with guards) and the key, limit pairs (limits
+    with their reserves; lua/admit_job.lua)."""
     _check_int("priority", priority, 0, MAX_PRIORITY)
     specs = key_specs(keys)
     if len(specs) > MAX_KEYS_PER_JOB:
         raise ValueError(f"a job may have at most {MAX_KEYS_PER_JOB} keys, got {len(specs)}")
     lease = str(lease_ms(lease_seconds)).zfill(LEASE_DIGITS)
-    pairs = [(name, limit) for name, limit, _, _ in specs]
-    return (priority, lease, 1 if require_ready else 0, flows_arg(specs), *_flatten(pairs))
+    return (priority, lease, 1 if require_ready else 0, flows_arg(specs), *_flatten(specs))
 
 
 def _check_data(data: object) -> str:
@@ -312,8 +388,10 @@ def reclaim(prefix: str, *, tag: str, max_jobs: int) -> Call[ReclaimResult]:
 
 
 def set_limits(prefix: str, *, tag: str, limits: KeysArg, require_ready: bool = False) -> Call[list[Woken]]:
-    """Encode a limit change (see lua/set_limits.lua)."""
-    args = (1 if require_ready else 0, *_flatten(key_limits(limits, allow_empty=True)))
+    """Encode a limit change (see lua/set_limits.lua): limits with their reserves (a key
+    given without one, as ``{name: limit}`` or a pair, gets none); flows and weights are
+    checked and dropped, a guard or guarantee refused."""
+    args = (1 if require_ready else 0, *_flatten(key_specs(limits, allow_empty=True, job=False)))
     return Call("set_limits", tag_keys(prefix, tag), args, _woken)
 
 
@@ -326,7 +404,7 @@ def inspect_key(prefix: str, *, tag: str, key: str, holders: bool = True) -> Cal
         by_prio = {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
         limit = int(r[0])
         names = [text(h) for h in r[1]]
-        return KeyState(key, None if limit < 0 else limit, names, by_prio, int(r[3]), int(r[4]))
+        return KeyState(key, None if limit < 0 else limit, names, by_prio, int(r[3]), int(r[4]), int(r[5]), int(r[6]))
 
     return Call("inspect_key", tag_keys(prefix, tag), (key, 1 if holders else 0), decode)
 

@@ -16,16 +16,31 @@ class KeyLimit:
     to the flows' weights, FIFO within a flow (docs/engine.md, "Fair order"). Flows are
     opaque strings (FairQueue: the tenant, on a shard key); the default flow ``""`` at
     weight 1 for every job gives first-come first-served order. A job's weight counts for
-    this key and this job only, like its limit."""
+    this key and this job only, like its limit.
+
+    ``reserve`` keeps ``min(reserve, limit)`` of the key's slots for jobs within their
+    guarantee; like the limit it is the key's state while the key is in use, set by every
+    call that passes the limit (0 when not given) and forgotten when the key goes idle.
+    ``guard`` names another key of the same job that sorts before this one, and
+    ``guarantee`` bounds its holder count: the job is *within its guarantee* at this key
+    when the guard's holder count, this job included, is at most ``guarantee`` (never
+    without a guard). Such a job may take the reserved slots, and when it has to wait it
+    waits in the key's floor band, served before every other waiter (docs/engine.md,
+    "Reserves and guarantees"). ``guard`` and ``guarantee`` describe the job: ``set_limits``
+    takes limits and reserves only."""
 
     name: str
     limit: int
     flow: str = ""
     weight: float = 1.0
+    reserve: int = 0
+    guard: str | None = None
+    guarantee: int = 0
 
 
 #: Keys of a job with their limits: ``{"t:1": 5}`` or ``[KeyLimit("t:1", 5)]`` or ``[("t:1", 5)]``
-#: (the last two forms may also carry a flow and weight: ``KeyLimit("s:1", 40, "acme", 2.0)``).
+#: (KeyLimits may also carry a flow and weight, ``KeyLimit("s:1", 40, "acme", 2.0)``, and a
+#: reserve, guard and guarantee, ``KeyLimit("s:1", 40, reserve=4, guard="t:1", guarantee=2)``).
 KeysArg = Mapping[str, int] | Iterable[KeyLimit | tuple[str, int]]
 
 
@@ -102,9 +117,11 @@ class ReclaimResult:
 class KeyState:
     """A key as dashboards see it. ``limit`` is None while the key is idle (no holders, no
     waiters: it forgets its limit, and the next job to use it brings one) or was never used;
-    ``waiters_by_priority`` maps priority -> parked count (highest first). ``holders`` is
-    only filled when asked for (``inspect_key(holders=True)``, the default); ``held`` is
-    the holder count either way."""
+    ``reserve`` is its effective reserve (``min(reserve, limit)``; 0 when none or idle);
+    ``waiters_by_priority`` maps priority -> parked count (highest first, both bands
+    together), of which ``floor_waiting`` wait in the floor band (parked within their
+    guarantee). ``holders`` is only filled when asked for (``inspect_key(holders=True)``,
+    the default); ``held`` is the holder count either way."""
 
     key: str
     limit: int | None
@@ -112,6 +129,8 @@ class KeyState:
     waiters_by_priority: dict[int, int]
     waiting: int
     held_count: int | None = None
+    reserve: int = 0
+    floor_waiting: int = 0
 
     @property
     def held(self) -> int:

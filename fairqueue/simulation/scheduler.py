@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fairqueue.engine.ops import key_specs
+from fairqueue.engine.ops import KeySpec, key_specs
 from fairqueue.jobs import live
 from fairqueue.jobs.admission import (
     BATCH_KEY,
@@ -60,7 +60,7 @@ from fairqueue.jobs.admission import (
 from fairqueue.jobs.duties import BATCH_PROMOTE_AT
 from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
 from fairqueue.simulation.calibration import ACTIVITY_WINDOW_S, Distribution, Latencies
-from fairqueue.simulation.engine_model import EngineModel, KeySpec
+from fairqueue.simulation.engine_model import EngineModel
 from fairqueue.simulation.records import Arrival
 from tenants.policy import PolicySnapshot
 
