@@ -10,6 +10,8 @@ from django.test import SimpleTestCase
 
 from fairqueue.jobs.admission import flood_utilisation, flow_weight, pool_room
 from fairqueue.jobs.models import Job, JobStatus
+from tenants.models import PoolSettings
+from tenants.sync import policy_sync_all
 from tests.factories import make_tenant
 from tests.test_jobs_e2e import E2EBase
 from tests.workers import WorkerProcess, wait_for
@@ -21,6 +23,8 @@ STEADY_JOBS = 5
 STEADY_AFTER_SECONDS = 3.0
 STEADY_EVERY_SECONDS = 1.0
 STEADY_JOB = {"task": "demo.sleep", "args": {"seconds": 0.2}}
+# The bound with headroom: the steady tenant's first job starts within a second.
+FIRST_JOB_WITHIN_SECONDS = 1.0
 
 
 class PoolRoomTests(SimpleTestCase):
@@ -50,6 +54,12 @@ class FloorUnderLongJobsTests(E2EBase):
         )
         self.assertEqual(resp.status_code, 202, resp.content)
         return list(resp.json())
+
+    def headroom_set(self, slots: int) -> None:
+        pool = PoolSettings.load()
+        pool.floor_headroom = slots
+        pool.save()
+        policy_sync_all()
 
     def flood_then_steady(self) -> tuple[list[dict[str, object]], list[float]]:
         _, noisy_key = make_tenant("noisy", floor=2)
@@ -84,3 +94,10 @@ class FloorUnderLongJobsTests(E2EBase):
         # Without headroom: the steady tenant's jobs start when the first of the flood's
         # jobs end, before its next round: never two rounds.
         self.assertLess(max(waits), FLOOD_JOB_SECONDS + STEADY_AFTER_SECONDS, waits)
+
+    def test_with_headroom_a_steady_tenants_first_job_starts_at_once(self) -> None:
+        self.headroom_set(2)
+        _, waits = self.flood_then_steady()
+        self.assertLessEqual(waits[0], FIRST_JOB_WITHIN_SECONDS, waits)
+        # And every one of its jobs, one a second, finds a kept slot.
+        self.assertLessEqual(max(waits), FIRST_JOB_WITHIN_SECONDS, waits)

@@ -202,15 +202,18 @@ class SchedulerScenarios(SimpleTestCase):
         self.assertEqual(result.waits, {"a": [], "b": []})
 
     def test_a_higher_floor_is_what_a_squeezed_tenant_needed(self) -> None:
-        # A full pool: "hog" keeps 40 jobs waiting, "steady" sends one job a second. With
-        # floor 1 and a small pool share the steady tenant waits; with floor 6 it hardly does.
+        # A full pool: "hog" keeps 40 jobs waiting, "steady" sends one job a second (about two
+        # running at once). With floor headroom, the slots kept go to jobs below their
+        # tenant's floor: with floor 1 only one of steady's jobs is, and the other waits for a
+        # slot to free; with floor 6 both are, and they hardly wait.
         arrivals = sorted(
             [Arrival(at=float(i) * 0.05, tenant="hog", duration=2.0) for i in range(400)]
             + [Arrival(at=float(i), tenant="steady", duration=2.0) for i in range(20)],
             key=lambda a: a.at,
         )
-        low = policy(tenant("hog"), tenant("steady", floor=1, burst_floor=0, burst_pct=0.0), f_min=0.1)
-        high = policy(tenant("hog"), tenant("steady", floor=6, burst_floor=0, burst_pct=0.0), f_min=0.1)
+        kept = {"f_min": 0.1, "floor_headroom": 3}
+        low = policy(tenant("hog"), tenant("steady", floor=1, burst_floor=0, burst_pct=0.0), **kept)
+        high = policy(tenant("hog"), tenant("steady", floor=6, burst_floor=0, burst_pct=0.0), **kept)
         before = self.run_sim(arrivals, low, slots=8)
         after = self.run_sim(arrivals, high, slots=8)
         self.assertLess(percentile(after.waits["steady"], 50) or 0, (percentile(before.waits["steady"], 50) or 0) / 2)

@@ -271,4 +271,25 @@ def admission_plan(
     keys = [
         KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
     ]
+    # The pool's floor headroom: the shard key keeps `floor_headroom` of its slots for jobs of
+    # tenants below their floor, and serves those jobs first, whatever their class (the
+    # engine's reserve and floor band): a job is below its tenant's floor when its tenant key,
+    # which it holds by then, has at most `floor` holders. Without headroom no job is banded,
+    # so the classes' order holds strictly and a tenant that starts to wait is served next in
+    # its class by the fair order alone. A batch job is never banded (it holds the batch key).
+    reserve = shard_reserve(policy)
+    if reserve:
+        shard_at = names.index(SHARD_KEY)
+        keys[shard_at] = dataclasses.replace(
+            keys[shard_at],
+            reserve=reserve,
+            guard=None if batch else names[0],
+            guarantee=0 if batch else tenant.floor,
+        )
     return AdmissionPlan(tag=tag, keys=keys, priority=priority, tenant_limit=breakdown, sub_tenant_cap=cap)
+
+
+def shard_reserve(policy: PolicySnapshot) -> int:
+    """Slots of each shard's key kept for tenants below their floor (the pool's floor
+    headroom); every call that passes the shard key's limit passes it too."""
+    return policy.pool.floor_headroom

@@ -17,9 +17,17 @@ from datetime import timedelta
 
 from django.utils import timezone
 
-from fairqueue.engine import KeysArg
+from fairqueue.engine import KeyLimit, KeysArg
 from fairqueue.jobs import cells, live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, job_placement, known_resources, shard_tag, tenant_key
+from fairqueue.jobs.admission import (
+    BATCH_KEY,
+    SHARD_KEY,
+    job_placement,
+    known_resources,
+    shard_reserve,
+    shard_tag,
+    tenant_key,
+)
 from fairqueue.jobs.capacity import capacity_step
 from fairqueue.jobs.database import connections_heal
 from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
@@ -171,7 +179,7 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
 class _Pushed:
     """The limits this process last sent the engine, per tag, to send only changes."""
 
-    limits: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # tag -> key -> limit
+    limits: dict[str, dict[str, int | KeyLimit]] = dataclasses.field(default_factory=dict)  # tag -> key -> limit
     turn: int = 0  # which tag gets all its limits sent this tick (see limits_refresh)
 
 
@@ -188,7 +196,7 @@ class _Planned:
     inputs: tuple[object, ...] | None = None
     plan: LimitsPlan | None = None
     published: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    wanted: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    wanted: dict[str, dict[str, int | KeyLimit]] = dataclasses.field(default_factory=dict)
     # The signals view's read this plan (or its last reuse) went with: the view reports
     # changes since its previous read, which must be this one.
     signals_read: int = -1
@@ -386,7 +394,9 @@ def limits_refresh() -> int:
         for name in policy.shards:
             room = fleet.pool_room(name)  # the pool's live slots, over every shard's key
             shard_limit = capacities[name] if room is None else min(capacities[name], room)
-            limits = {SHARD_KEY: shard_limit, BATCH_KEY: fleet.batch_limit(name)}
+            # The shard key's reserve (the pool's floor headroom) goes with its limit.
+            shard = KeyLimit(SHARD_KEY, shard_limit, reserve=shard_reserve(policy))
+            limits: dict[str, int | KeyLimit] = {SHARD_KEY: shard, BATCH_KEY: fleet.batch_limit(name)}
             limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
             wanted[shard_tag(name)] = limits
         _planned = _Planned(
@@ -404,7 +414,11 @@ def limits_refresh() -> int:
         before = {} if tag == whole else _pushed.limits.get(tag, {})
         if before is limits:
             continue  # the very limits sent last tick (a reused plan)
-        changed = {key: limit for key, limit in limits.items() if before.get(key) != limit}
+        changed = [
+            limit if isinstance(limit, KeyLimit) else (key, limit)
+            for key, limit in limits.items()
+            if before.get(key) != limit
+        ]
         if changed:
             sending[tag] = changed
     # An unready tag (state lost, rebuild pending) is left alone: the rebuild's admits

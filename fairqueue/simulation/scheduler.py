@@ -55,6 +55,7 @@ from fairqueue.jobs.admission import (
     batch_limits,
     class_level,
     pool_room,
+    shard_reserve,
     tenant_key,
 )
 from fairqueue.jobs.duties import BATCH_PROMOTE_AT
@@ -269,7 +270,7 @@ class _Replay:
         for slug in self.tenants:
             limits[tenant_key(slug)] = plan.limit(slug)
         woken: list[int] = []
-        self.model.set_limits(limits, woken)
+        self.model.set_limits(limits, woken, reserves={SHARD_KEY: shard_reserve(self.policy)})
         for job in woken:
             self.dispatch(job, now)
 
