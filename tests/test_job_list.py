@@ -149,6 +149,11 @@ class FilterTests(ListTestCase):
                 {"status": "succeeded", "task": "demo.sleep", "submitted_at__gte": since},
             ),
             ({"sub_tenant": "cust-3", "status": "failed"}, {"sub_tenant": "cust-3", "status": "failed"}),
+            # RFC 3339 allows an offset PostgreSQL's timestamptz refuses (past 15:59): the same instant.
+            (
+                {"submitted_since": since.astimezone(fixed_offset(timedelta(hours=-19, minutes=-54))).isoformat()},
+                {"submitted_at__gte": since},
+            ),
             ({"submitted_since": before.isoformat(), "submitted_before": since.isoformat()}, {"id": None}),
         ]
         for params, lookups in cases:

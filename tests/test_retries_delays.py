@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -108,6 +108,16 @@ class SubmitInputTests(ApiTestCase):
         bad = {"task": "demo.sleep", "args": {"seconds": 0}, "run_at": "31/01/2030"}
         self.assert_error(self.post(BULK, {"jobs": [good, bad]}), 400, "invalid_run_at", "jobs[1].run_at")
         self.assertEqual(Job.objects.count(), 0)
+
+    def test_a_whole_number_with_a_point_is_an_integer_and_any_offset_is_a_time(self) -> None:
+        # JSON Schema's integer includes 2.0; RFC 3339 allows offsets PostgreSQL refuses (-19:54).
+        job = self.submit({"task": "demo.sleep", "args": {"seconds": 0}, "max_attempts": 2.0})
+        self.assertEqual(job["max_attempts"], 2)
+        later = datetime.now(UTC) + timedelta(hours=2)
+        far_west = later.astimezone(timezone(timedelta(hours=-19, minutes=-54)))
+        job = self.submit({"task": "demo.sleep", "args": {"seconds": 0}, "run_at": far_west.isoformat()})
+        self.assertEqual(job["status"], "scheduled")
+        self.assertLess(abs((_time(job["run_at"]) - later).total_seconds()), 0.001)
 
     def test_a_run_at_in_the_past_runs_now(self) -> None:
         past = datetime.now(UTC) - timedelta(hours=1)

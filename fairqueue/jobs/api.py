@@ -6,7 +6,7 @@ import json
 import math
 import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import redis
@@ -19,7 +19,16 @@ from ninja.errors import AuthenticationError, HttpError
 from ninja.errors import ValidationError as NinjaValidationError
 from ninja.parser import Parser
 from ninja.security import HttpBearer
-from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, PlainSerializer, TypeAdapter, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    TypeAdapter,
+    WithJsonSchema,
+)
 
 from fairqueue.apiserver import in_api_thread
 from fairqueue.jobs import selectors
@@ -41,6 +50,16 @@ BULK_MAX = 1000
 
 
 MAX_JSON_DEPTH = 32
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON Schema's integer is any whole number: 3.0 is one, as 3 is (true and "3" are not)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInteger = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class StrictJSONParser(Parser):
@@ -290,7 +309,7 @@ class JobIn(BaseModel):
         le=MAX_DELAY.total_seconds(),
         description="Start no earlier than this many seconds from now (see run_at). Not with run_at.",
     )
-    max_attempts: int | None = Field(
+    max_attempts: JsonInteger | None = Field(
         None,
         strict=True,
         ge=1,
@@ -608,7 +627,15 @@ def _rfc3339(value: Any) -> Any:
     return value
 
 
-Rfc3339Time = Annotated[AwareDatetime, BeforeValidator(_rfc3339)]
+def _in_utc(value: datetime) -> datetime:
+    try:
+        # PostgreSQL refuses an offset past 15:59, which RFC 3339 allows.
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the time is out of range") from None
+
+
+Rfc3339Time = Annotated[AwareDatetime, BeforeValidator(_rfc3339), AfterValidator(_in_utc)]
 # Module-level (ruff B008): the time bounds' query parameters, with their documentation.
 SUBMITTED_SINCE = Query(None, description="Only jobs submitted at or after this time (RFC 3339, with a UTC offset).")
 SUBMITTED_BEFORE = Query(None, description="Only jobs submitted before this time (RFC 3339, with a UTC offset).")

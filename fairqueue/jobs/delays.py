@@ -8,7 +8,7 @@ in the past, or a delay of 0, means now: the job is admitted at once like any ot
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from fairqueue.jobs.errors import JobError
 
@@ -32,7 +32,11 @@ def _parse_run_at(text: str, field: str) -> datetime:
         raise JobError(
             400, "invalid_run_at", "run_at needs a UTC offset (Z or +hh:mm): a bare local time is ambiguous.", field
         )
-    return when
+    try:
+        # Kept in UTC: PostgreSQL refuses an offset past 15:59 that ISO 8601 allows.
+        return when.astimezone(UTC)
+    except OverflowError:
+        raise JobError(400, "invalid_run_at", "run_at is out of range.", field) from None
 
 
 def due_time(
