@@ -269,7 +269,15 @@ class TenantAdmin(PolicyHistoryAdmin, TenantWhatIfMixin):
         (
             "Concurrency",
             {
-                "fields": ["floor", "burst_floor", "burst_pct", "max_concurrency", "dedicated", "sub_tenant_share"],
+                "fields": [
+                    "floor",
+                    "burst_floor",
+                    "burst_pct",
+                    "max_concurrency",
+                    "dedicated",
+                    "sub_tenant_share",
+                    "max_fan_out",
+                ],
                 "description": "limit = min(max(ceiling x pool pressure, floor), hard max) + dedicated, "
                 "where ceiling = base + max(burst floor, base x burst).",
             },

@@ -145,7 +145,8 @@ def live_state_lines(tenant: Tenant) -> list[tuple[str, str]]:
         words = (
             f"floor {synced.get('floor')}, burst floor {synced.get('burst_floor')}, burst "
             f"{float(synced.get('burst_pct') or 0):.0%} of base, hard max {hard_max}, dedicated "
-            f"{synced.get('dedicated')}, shard {synced.get('shard')}, sub-tenants capped at "
+            f"{synced.get('dedicated')}, fan-out per job {synced.get('max_fan_out') or '-'}, "
+            f"shard {synced.get('shard')}, sub-tenants capped at "
             f"{float(synced.get('sub_tenant_share') or 0):.0%} of the limit unless registered, batch lane "
             f"{'on' if synced.get('batch_enabled') == '1' else 'off'}, "
             f"{'active' if synced.get('active') == '1' else 'inactive'}"

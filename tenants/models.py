@@ -20,6 +20,8 @@ SLUG_VALIDATOR = RegexValidator(
 )
 
 API_KEY_PREFIX_LEN = 8
+# How many children of one parent job may run at once unless the operator says otherwise.
+DEFAULT_MAX_FAN_OUT = 10
 WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
@@ -97,6 +99,11 @@ class Tenant(models.Model):
         null=True, blank=True, help_text="Hard max; never exceeded whatever the formula says. Empty = none."
     )
     dedicated = models.PositiveIntegerField(default=0, help_text="Paid-for capacity added on top of the limit.")
+    max_fan_out = models.PositiveIntegerField(
+        default=DEFAULT_MAX_FAN_OUT,
+        validators=[MinValueValidator(1)],
+        help_text="Max fan-out per job: at most this many children of one parent job run at once.",
+    )
     batch_enabled = models.BooleanField(default=False, help_text="May submit batch-lane jobs.")
     default_latency_class = models.ForeignKey(
         LatencyClass, on_delete=models.PROTECT, null=True, blank=True, related_name="+"

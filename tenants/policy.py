@@ -24,6 +24,7 @@ import redis
 
 from fairqueue.engine.cluster import Client
 from tenants import keys
+from tenants.models import DEFAULT_MAX_FAN_OUT
 from tenants.redis_client import get_redis
 from tenants.sync import policy_sync_all
 
@@ -53,6 +54,7 @@ class TenantPolicy:
     default_class: str  # "" in Redis is resolved to "default" here
     sub_tenant_share: float
     version: int
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT  # children of one parent job running at once
 
     @classmethod
     def plain(cls, slug: str, *, shard: str, **overrides: Any) -> TenantPolicy:
@@ -94,6 +96,7 @@ class TenantPolicy:
             default_class=data.get("default_class") or DEFAULT_CLASS,
             sub_tenant_share=float(data.get("sub_tenant_share") or 0.5),
             version=int(data.get("version") or 0),
+            max_fan_out=int(data.get("max_fan_out") or DEFAULT_MAX_FAN_OUT),
         )
 
 

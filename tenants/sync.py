@@ -56,6 +56,7 @@ def tenant_policy_mapping(*, tenant: Tenant) -> dict[str, str]:
         "burst_pct": repr(float(tenant.burst_pct)),
         "max_concurrency": "" if tenant.max_concurrency is None else str(tenant.max_concurrency),
         "dedicated": str(tenant.dedicated),
+        "max_fan_out": str(tenant.max_fan_out),
         "batch_enabled": _flag(tenant.batch_enabled),
         "default_class": tenant.default_latency_class.name if tenant.default_latency_class else "",
         "sub_tenant_share": repr(float(tenant.sub_tenant_share)),

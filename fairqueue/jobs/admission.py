@@ -35,6 +35,11 @@ MIN_JOB_SECONDS = 0.01
 # paused) upstream holds nothing else meanwhile: no tenant or shard slot sits idle behind
 # an upstream's refusal (docs/resources.md).
 RESOURCE_KEY_PREFIX = "0:r:"
+# One parent job's children (a document's pages, fairqueue.jobs.fanout) share its document
+# key, capped at the parent's fan-out. It sorts after the resources and before the
+# sub-tenant, tenant and shard keys: a child waiting for its document's cap holds nothing
+# its siblings or its tenant's other documents could use.
+DOCUMENT_KEY_PREFIX = "1:d:"
 
 
 def shard_tag(shard: str) -> str:
@@ -52,6 +57,15 @@ def sub_tenant_key(slug: str, external_id: str) -> str:
 
 def resource_key(name: str) -> str:
     return f"{RESOURCE_KEY_PREFIX}{name}"
+
+
+def document_key(parent_id: str) -> str:
+    return f"{DOCUMENT_KEY_PREFIX}{parent_id}"
+
+
+def document_flow(parent_id: str) -> str:
+    """A child's flow at its tenant and sub-tenant keys: its document (docs/fanout.md)."""
+    return f"d:{parent_id}"
 
 
 @dataclass(frozen=True)
@@ -178,15 +192,19 @@ def batch_limits(
     return {shard: running + idle for shard, running in batch_by_shard.items()}
 
 
-def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = ()) -> list[str]:
+def key_names(
+    *, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = (), document: str = ""
+) -> list[str]:
     """A job's key names (admission_plan pairs them with limits). A release passes them to
     the engine as a hint that saves it a read; a stale hint (the job moved lanes) is
     ignored there. The keys of the outside resources it calls come last here (the engine
-    sorts them first)."""
+    sorts them first), then a child job's document key (`document`: its parent's id)."""
     names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
     if sub_tenant:
         names.append(sub_tenant_key(tenant_slug, sub_tenant))
     names += [resource_key(r) for r in resources]
+    if document:
+        names.append(document_key(document))
     return names
 
 
@@ -197,12 +215,12 @@ def known_resources(policy: PolicySnapshot, names: Sequence[str]) -> list[str]:
 
 
 def job_placement(
-    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = ()
+    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = (), document: str = ""
 ) -> tuple[str, list[str]]:
     """Where a job is admitted now: its engine tag and key names. Stored on the job, so its
     later engine calls go to the same place even if the tenant or shard is renamed or moved."""
     return shard_tag(tenant.shard), key_names(
-        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources
+        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources, document=document
     )
 
 
@@ -229,6 +247,7 @@ def admission_plan(
     placement: tuple[str, list[str]] | None = None,
     resource_limits: Mapping[str, int] | None = None,
     pool_room: int | None = None,
+    document: tuple[str, int] | None = None,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
@@ -242,6 +261,10 @@ def admission_plan(
     `pool_room` (`pool_room()`, None: no cap) caps the shard key, which every job holds
     last, at what the pool's live slots leave for this shard: the broker never holds more
     admitted jobs than the workers can start.
+
+    `document` (a child job's parent id and fan-out cap) adds the document key, capped at
+    the fan-out; at the tenant and sub-tenant keys the child's flow is then its document,
+    so a tenant's documents share its slots in fair order however many pages each has.
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
@@ -257,17 +280,25 @@ def admission_plan(
         limits.append(cap)
     resources = sorted(resource_limits or {})
     limits += [(resource_limits or {})[r] for r in resources]
-    tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources)
+    parent = document[0] if document else ""
+    if document:
+        limits.append(document[1])
+    tag, names = placement or job_placement(
+        tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources, document=parent
+    )
     # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
     # weighted by its floor per second of its jobs (flow_weight); at the tenant key each
     # sub-tenant is one (splitting work over many sub-tenants or keys gains nothing at the
     # shard: it is still one flow there).
     mean = signals.mean_seconds if signals.mean_seconds is not None else policy.pool.default_job_seconds
     tenant_flow = (tenant.slug, flow_weight(tenant.floor, mean))
-    flows = [tenant_flow if batch else (sub_tenant, 1.0), tenant_flow]
+    own_flow = (document_flow(parent), 1.0) if parent else None
+    flows = [tenant_flow if batch else own_flow or (sub_tenant, 1.0), tenant_flow]
     if sub_tenant:
-        flows.append(("", 1.0))
+        flows.append(own_flow or ("", 1.0))
     flows += [tenant_flow] * len(resources)  # shared by tenants like the shard: one flow each
+    if parent:
+        flows.append(("", 1.0))  # the document's own key: its children alone
     keys = [
         KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
     ]

@@ -492,6 +492,7 @@ class LimitsOut(Schema):
     pressure_factor: float
     hard_max: int | None
     dedicated: int
+    max_fan_out: int = Field(description="Max fan-out per job: children of one parent job running at once.")
     idle_share: int
     fair_share: float | None = Field(
         None, description="Max-min fair share of the pool target; pressure never squeezes the limit below it."

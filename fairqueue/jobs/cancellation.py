@@ -7,7 +7,7 @@ import logging
 
 from django.utils import timezone
 
-from fairqueue.jobs import cells, stats
+from fairqueue.jobs import cells, fanout, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
@@ -28,7 +28,13 @@ def job_cancel(*, job: Job) -> Job:
     status), and a delivery's claim is one on the same row, so exactly one of them wins.
     Giving the engine its slot back is best-effort: if Redis cannot be reached the cancel
     still stands, and the reconciler frees the slot (`release_pending`).
+
+    A parent awaiting its children (fairqueue.jobs.fanout) holds nothing: it is cancelled by
+    a compare-and-set on `awaiting`, then so is each of its children not started yet (and
+    theirs); a running child runs to its end, and no join follows a cancelled parent.
     """
+    if job.status == JobStatus.AWAITING:
+        return _parent_cancel(job)
     for _ in range(CANCEL_ATTEMPTS):
         if job.status in TERMINAL_STATUSES:
             raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
@@ -59,4 +65,38 @@ def job_cancel(*, job: Job) -> Job:
         # happened when it failed.
         cells.jobs_leave([str(job.id)])
         job_release_or_defer(job)
+    if job.parent_id is not None:
+        fanout.child_finished_safely(job)
     return job
+
+
+def _parent_cancel(job: Job) -> Job:
+    updated = job_finish(
+        job,
+        where={"id": job.id, "status": JobStatus.AWAITING},
+        fields={
+            "status": JobStatus.CANCELLED,
+            "finished_at": timezone.now(),
+            "timeline": tl.appended(tl.line(tl.FINISHED, JobStatus.CANCELLED)),
+        },
+    )
+    job.refresh_from_db()
+    if not updated:
+        raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
+    stats.count("finished:cancelled")
+    children_cancel(parent=job)
+    return job
+
+
+def children_cancel(*, parent: Job) -> int:
+    """Cancel the parent's children that have not started (each by its own compare-and-set;
+    one that started meanwhile runs to its end); returns how many were cancelled."""
+    cancelled = 0
+    open_statuses = sorted({*WAITING_STATUSES, *DEFERRED_STATUSES, JobStatus.AWAITING})
+    for child in Job.objects.select_related("tenant").filter(parent_id=parent.id, status__in=open_statuses):
+        try:
+            job_cancel(job=child)
+            cancelled += 1
+        except JobError:  # it started, or finished, meanwhile
+            continue
+    return cancelled

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fairqueue.backoff import Backoff
 from fairqueue.jobs.models import LedgerEntry
-from fairqueue.jobs.registry import JobContext, fairqueue_task
+from fairqueue.jobs.registry import JobContext, JoinArgs, fairqueue_task
 
 
 class SleepArgs(BaseModel):
@@ -41,6 +41,21 @@ class ParseArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     pages: int = Field(ge=1, le=10_000)
     io_ms_per_page: float = Field(default=20.0, ge=0, le=10_000)
+
+
+class DocumentArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    pages: int = Field(ge=1, le=10_000)
+    seconds_per_page: float = Field(default=0.1, ge=0, le=600)
+    max_fan_out: int | None = Field(default=None, ge=1, description="Lower than the tenant's max fan-out, if set.")
+    fail_pages: list[int] = Field(default_factory=list, max_length=100, description="Pages whose job fails.")
+
+
+class PageArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    page: int = Field(ge=0)
+    seconds: float = Field(default=0.1, ge=0, le=600)
+    fail: bool = False
 
 
 # The demo call reaches only this machine: a task that fetched any URL a tenant names would
@@ -102,7 +117,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def _sleep(ctx: JobContext, seconds: float) -> None:
+def task_sleep(ctx: JobContext, seconds: float) -> None:
     end = time.monotonic() + seconds
     while (left := end - time.monotonic()) > 0:
         ctx.check_hold()
@@ -113,7 +128,7 @@ def _sleep(ctx: JobContext, seconds: float) -> None:
 @fairqueue_task("demo.sleep", args=SleepArgs)
 def demo_sleep(ctx: JobContext, args: SleepArgs) -> dict[str, Any]:
     started = _now()
-    _sleep(ctx, args.seconds)
+    task_sleep(ctx, args.seconds)
     ledger_write(ctx, "demo.sleep")
     result: dict[str, Any] = {"started": started, "finished": _now(), "worker": ctx.worker}
     if args.echo is not None:
@@ -147,6 +162,34 @@ def demo_parse(ctx: JobContext, args: ParseArgs) -> dict[str, Any]:
         words += len(text.split())
     ledger_write(ctx, "demo.parse")
     return {"started": started, "finished": _now(), "worker": ctx.worker, "words": words, "digest": digest.hexdigest()}
+
+
+@fairqueue_task("demo.document", args=DocumentArgs)
+def demo_document(ctx: JobContext, args: DocumentArgs) -> None:
+    """Fan out one demo.page per page and join them (fairqueue.jobs.fanout): this run ends
+    as soon as the pages are submitted; demo.document_join's result becomes its own."""
+    failing = set(args.fail_pages)
+    pages = [{"page": i, "seconds": args.seconds_per_page, "fail": i in failing} for i in range(args.pages)]
+    ctx.submit_children("demo.page", pages, then="demo.document_join", max_fan_out=args.max_fan_out)
+
+
+@fairqueue_task("demo.page", args=PageArgs)
+def demo_page(ctx: JobContext, args: PageArgs) -> dict[str, Any]:
+    started = _now()
+    task_sleep(ctx, args.seconds)
+    if args.fail:
+        raise RuntimeError(f"page {args.page} failed (asked by the demo)")
+    ledger_write(ctx, "demo.page")
+    return {"page": args.page, "started": started, "finished": _now()}
+
+
+@fairqueue_task("demo.document_join", args=JoinArgs)
+def demo_document_join(ctx: JobContext, args: JoinArgs) -> dict[str, Any]:
+    """The document's continuation: fails if a page did, else counts the pages."""
+    if args.failed:
+        raise RuntimeError(f"{len(args.failed)} of {len(args.children)} pages failed: {args.failed[:20]}")
+    ledger_write(ctx, "demo.document_join")
+    return {"pages": len(args.children)}
 
 
 def demo_call(ctx: JobContext, args: CallArgs) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def _placement(job: Job, tenant: TenantPolicy, resources: Sequence[str] = ()) ->
     """The job's stored placement; a row without one (written before placements were
     stored) gets the current one, stored here so its later engine calls find it."""
     now_tag, now_names = job_placement(
-        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, resources=resources
+        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, resources=resources, document=job.document
     )
     names = job.engine_key_names
     if job.engine_tag and len(names) == len(now_names):
@@ -340,7 +340,8 @@ def _jobs_admit(
         resources = {r: outside[r] for r in known_resources(policy, job.resource_names)}
         tag, names = placement = _placement(job, tp, sorted(resources))
         batch = job.in_batch_lane
-        alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()))
+        document = (job.document, job.fan_out_cap or tp.max_fan_out) if job.document else None
+        alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()), document)
         plan = shared.get(alike)
         if plan is None:
             fleet = live.fleet_state()
@@ -358,6 +359,7 @@ def _jobs_admit(
                 # Jobs already running (re-entered after a loss of Redis) hold their slots
                 # whatever the pool's size now.
                 pool_room=None if running else fleet.pool_room(tp.shard),
+                document=document,
             )
         items.append(
             AdmitRequest(
@@ -557,6 +559,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                         sub_tenant=job.sub_tenant,
                         batch=job.in_batch_lane,
                         resources=known_resources(policy, job.resource_names),
+                        document=job.document,
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)

@@ -18,7 +18,7 @@ from datetime import timedelta
 from django.utils import timezone
 
 from fairqueue.engine import KeyLimit, KeysArg
-from fairqueue.jobs import cells, live
+from fairqueue.jobs import cells, fanout, live
 from fairqueue.jobs.admission import (
     BATCH_KEY,
     SHARD_KEY,
@@ -50,6 +50,8 @@ duty_failures = FailureLog(log, "periodic duty")
 BATCH_PROMOTE_AT = 0.75  # share of the batch objective after which a waiting batch job is promoted
 SWEEP_JOBS_PER_TAG = 100
 RETENTION_EVERY_SECONDS = 60.0
+# The joins a crash left undone (fairqueue.jobs.fanout.joins_sweep) wait at most this long.
+JOINS_SWEEP_EVERY_SECONDS = 5.0
 
 
 def sweep_once(extra_tags: list[str] | tuple[str, ...] = ()) -> int:
@@ -74,6 +76,18 @@ def retention_step() -> None:
         return
     _retention_last = time.monotonic()
     retention_due_prune()
+
+
+_joins_last = 0.0
+
+
+def joins_step() -> None:
+    """Join the parents whose last child's join check was lost, at most every so often."""
+    global _joins_last
+    if time.monotonic() - _joins_last < JOINS_SWEEP_EVERY_SECONDS:
+        return
+    _joins_last = time.monotonic()
+    fanout.joins_sweep()
 
 
 def cells_step() -> None:
@@ -106,6 +120,7 @@ def scheduler_tick() -> None:
         releases_pending,
         reconcile,
         retention_step,
+        joins_step,
         capacity_step,
         webhooks_send_due,
         cells_step,
@@ -162,7 +177,11 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
     fields = {"promoted_at": promoted_at, "generation": job.generation + 1, "status": JobStatus.QUEUED}
     if tenant is not None:
         tag, names = job_placement(
-            tenant=tenant, sub_tenant=job.sub_tenant, batch=False, resources=known_resources(policy, job.resource_names)
+            tenant=tenant,
+            sub_tenant=job.sub_tenant,
+            batch=False,
+            resources=known_resources(policy, job.resource_names),
+            document=job.document,
         )
         fields.update(engine_tag=tag, engine_keys=KEY_SEPARATOR.join(names))
     won = Job.objects.filter(

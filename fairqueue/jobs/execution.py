@@ -26,7 +26,7 @@ from django.utils import timezone
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.engine import Woken
-from fairqueue.jobs import groupcommit, handback, live, payloads, stats
+from fairqueue.jobs import fanout, groupcommit, handback, live, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -147,7 +147,9 @@ def _job_run(
     if not job.engine_tag:  # a row from before placements were stored
         job.engine_tag = shard_tag(job.tenant.shard.name)
         job.engine_keys = KEY_SEPARATOR.join(
-            key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+            key_names(
+                tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, document=job.document
+            )
         )
     tag = job.engine_tag
     # Rolling deploys: a job this worker's version cannot run goes back for another worker.
@@ -200,6 +202,7 @@ def _job_run(
     outcome = "succeeded"
     fields: dict[str, Any] = {}
     retry_policy = NO_RETRY
+    fanned_out = False
     in_task = False  # only an error the task itself raised is retried (fairqueue.jobs.retries)
     task_error: BaseException | None = None
     summary = ""
@@ -218,6 +221,11 @@ def _job_run(
             timeout_seconds=effective_timeout(registered.timeout_seconds, job.timeout_seconds),
         )
         ctx.bind_hold(lambda: active_leases.hold_lost(job.engine_id))
+        ctx.bind_children(
+            lambda task, args, then, max_fan_out: fanout.children_submit(
+                parent_id=job_id, generation=generation, task=task, args=args, then=then, max_fan_out=max_fan_out
+            )
+        )
         in_task = True
         if registered.isolated:  # in a child process, killed at its limits (fairqueue.jobs.isolation)
             value = isolated_run(
@@ -226,6 +234,7 @@ def _job_run(
         else:  # in this thread: past its timeout, ctx.check_deadline() stops it
             value = registered.func(ctx.start_clock(), args)
         in_task = False
+        fanned_out = ctx.fanned_out
         encoded = payloads.payload_encode(value)
         if len(encoded) > payloads.payload_threshold():
             fields.update(result=None, result_ref=payloads.payload_put(data=encoded, kind="results"))
@@ -275,7 +284,14 @@ def _job_run(
             error_reason=fields.get("error_reason", ""),
         )
     )
-    if fields["status"] == JobStatus.RETRYING:
+    if fanned_out and fields["status"] == JobStatus.SUCCEEDED:
+        # Its children run now, and their join decides its end (fairqueue.jobs.fanout): it
+        # waits for them holding no slot (released below like any finished attempt's).
+        outcome = "awaiting"
+        fields.update(status=JobStatus.AWAITING, result=None, result_ref="", finished_at=None)
+        lines = [tl.line(tl.AWAITING, at=finished)]
+        tracing.event("awaiting children")
+    elif fields["status"] == JobStatus.RETRYING:
         outcome = "retrying"
         due_at = fields["due_at"].isoformat(timespec="milliseconds")
         lines = [
@@ -301,15 +317,28 @@ def _job_run(
     finally:
         active_leases.remove(job.engine_id)
     if recorded:
-        stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
-        if job.resources and fields["status"] == JobStatus.SUCCEEDED:
+        stats.count({"retrying": "retried", "awaiting": "fanout:parents"}.get(outcome, f"finished:{fields['status']}"))
+        if job.resources and fields["status"] in (JobStatus.SUCCEEDED, JobStatus.AWAITING):
             job_resources_succeeded(job)
     kept = job_release_keeping(job, keep)
+    # After the release: the join may submit the continuation, which may take this slot.
+    if recorded and outcome == "awaiting":
+        _join_safely(job)
+    elif recorded and job.parent_id is not None and fields["status"] in TERMINAL_STATUSES:
+        fanout.child_finished_safely(job)
     try:
         live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     except Exception:  # a statistic; the job's outcome is already recorded
         log.warning("could not record the duration of job %s", job_id, exc_info=True)
     return outcome, kept
+
+
+def _join_safely(parent: Job) -> None:
+    """The parent's own run just ended awaiting: its children may all have ended already."""
+    try:
+        fanout.parent_join(parent.id)
+    except Exception:
+        log.exception("join check of parent %s failed; the duty's sweep joins it", parent.id)
 
 
 def _holding_end(job: Job) -> None:

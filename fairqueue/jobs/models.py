@@ -19,6 +19,9 @@ class JobStatus(models.TextChoices):
     QUEUED = "queued", "Queued"  # accepted; admitted and waiting for a worker, or not yet admitted
     PARKED = "parked", "Parked"  # waiting for a slot on one of its throttle keys
     RUNNING = "running", "Running"
+    # Its own run ended after submitting child jobs (fairqueue.jobs.fanout): it holds no
+    # slot and waits for its children's join, whose outcome becomes its own.
+    AWAITING = "awaiting", "Awaiting children"
     SUCCEEDED = "succeeded", "Succeeded"
     FAILED = "failed", "Failed"
     CANCELLED = "cancelled", "Cancelled"
@@ -29,6 +32,9 @@ WAITING_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED})
 UNFINISHED_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PARKED, JobStatus.RUNNING})
 # Not finished, and neither in the engine nor in the broker: promoted when due (fairqueue.jobs.due).
 DEFERRED_STATUSES = frozenset({JobStatus.SCHEDULED, JobStatus.RETRYING})
+# A parent's child with this index is its continuation (the join, fairqueue.jobs.fanout):
+# the unique (parent, child_index) makes the join exactly once, as it makes each child.
+JOIN_INDEX = -1
 # Key names never contain a space (sub-tenant ids are printable ASCII without spaces).
 KEY_SEPARATOR = " "
 
@@ -155,6 +161,16 @@ class Job(models.Model):
     attempt_history = models.JSONField(
         default=list, blank=True, help_text="Each finished attempt: when, how long, and its error if it failed."
     )
+    # Fan-out (fairqueue.jobs.fanout): a child job's parent, its index among the parent's
+    # children (JOIN_INDEX: the parent's continuation), and its document key's cap (the
+    # parent's fan-out limit, passed with every admission of the child). On a parent,
+    # `then_task` is its continuation's task ("" for none).
+    parent = models.ForeignKey(
+        "self", on_delete=models.CASCADE, null=True, blank=True, related_name="children", db_index=False
+    )
+    child_index = models.IntegerField(null=True, blank=True)
+    fan_out_cap = models.PositiveIntegerField(null=True, blank=True, help_text="Children of one parent run at most.")
+    then_task = models.CharField(max_length=100, blank=True, default="", help_text="Continuation run at the join.")
 
     class Meta:
         ordering = ["-submitted_at"]
@@ -163,6 +179,12 @@ class Job(models.Model):
                 fields=["tenant", "idempotency_key"],
                 condition=models.Q(idempotency_key__isnull=False),
                 name="unique_idempotency_key_per_tenant",
+            ),
+            # A re-delivered parent never submits a child (or its continuation) twice.
+            models.UniqueConstraint(
+                fields=["parent", "child_index"],
+                condition=models.Q(parent__isnull=False),
+                name="unique_child_index_per_parent",
             ),
         ]
         indexes = [
@@ -196,6 +218,11 @@ class Job(models.Model):
                 condition=SUB_TENANT_SET,
                 name="job_tenant_sub_tenant",
             ),
+            # A parent's children (the API's list by parent_id, the join's check), in the
+            # list's order; only over child rows, so other jobs pay nothing for it.
+            models.Index(
+                fields=["parent", "submitted_at", "id"], condition=models.Q(parent__isnull=False), name="job_parent"
+            ),
             # The admin's filter by reason. The name is the one the field's own index had
             # (migration 0012 keeps that index and drops only its LIKE twin on PostgreSQL).
             models.Index(fields=["error_reason"], name=ERROR_REASON_INDEX),
@@ -216,6 +243,14 @@ class Job(models.Model):
     @property
     def resource_names(self) -> list[str]:
         return self.resources.split(KEY_SEPARATOR) if self.resources else []
+
+    @property
+    def document(self) -> str:
+        """A child job's document (its parent's id): the key it holds besides its own; ""
+        for any other job, a parent's continuation included."""
+        if self.parent_id is None or self.child_index is None or self.child_index < 0:
+            return ""
+        return str(self.parent_id)
 
     @property
     def engine_id(self) -> str:

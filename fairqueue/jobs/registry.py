@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, Field, PrivateAttr
 
 from fairqueue.jobs.retry_policy import DEFAULT_RETRY, RetryPolicy
 from fairqueue.jobs.task_limits import TaskTimeout, valid_limit
@@ -41,6 +41,37 @@ def _never_lost() -> bool:
     return False
 
 
+class ChildSubmit(Protocol):
+    """Submits a running job's children (fairqueue.jobs.fanout.children_submit, bound by
+    the worker that runs the job): returns their ids, in order."""
+
+    def __call__(
+        self, task: str, args: Sequence[Mapping[str, Any]], then: str | None, max_fan_out: int | None
+    ) -> list[str]: ...
+
+
+class ChildOutcome(BaseModel):
+    """How one child of a fanned-out job ended, as its continuation receives it: its
+    result inline, or a payload store reference for a large one (fairqueue.jobs.payloads)."""
+
+    index: int
+    status: str
+    result: Any = None
+    result_ref: str = ""
+    error_reason: str = ""
+
+
+class JoinArgs(BaseModel):
+    """The arguments of a continuation (`then`) task: the parent's id and arguments, each
+    child's outcome by index, and the indexes of those that did not succeed. A task given
+    as `then` takes this model (or a subclass) as its args."""
+
+    parent_id: str
+    parent_args: dict[str, Any] = Field(default_factory=dict)
+    children: list[ChildOutcome] = Field(default_factory=list)
+    failed: list[int] = Field(default_factory=list)
+
+
 class JobContext(BaseModel):
     """What a task may know about the job running it.
 
@@ -61,6 +92,8 @@ class JobContext(BaseModel):
     timeout_seconds: float | None = None
     _hold_lost: Callable[[], bool] = PrivateAttr(default_factory=lambda: _never_lost)
     _deadline: float | None = PrivateAttr(default=None)  # time.monotonic() when the limit is reached
+    _submit_children: ChildSubmit | None = PrivateAttr(default=None)
+    _children: int = PrivateAttr(default=0)
 
     def bind_hold(self, hold_lost: Callable[[], bool]) -> JobContext:
         self._hold_lost = hold_lost
@@ -68,6 +101,31 @@ class JobContext(BaseModel):
 
     def hold_lost(self) -> bool:
         return self._hold_lost()
+
+    def bind_children(self, submit: ChildSubmit) -> JobContext:
+        self._submit_children = submit
+        return self
+
+    def submit_children(
+        self, task: str, args: Sequence[Mapping[str, Any]], *, then: str | None = None, max_fan_out: int | None = None
+    ) -> list[str]:
+        """Fan out: submit one child job of `task` per item of `args` (same tenant and
+        sub-tenant, this job as their parent), at most `max_fan_out` of them running at once
+        (never more than the tenant's "max fan-out per job"). The job's run then ends as it
+        returns, holding no slot; when the last child ends, `then` (a task taking JoinArgs)
+        runs with their outcomes, and its outcome becomes this job's. Without `then`, this
+        job succeeds if every child did. Called again by a re-delivery, it submits nothing
+        new: a child is its parent plus its index. Returns the children's ids."""
+        if self._submit_children is None:
+            raise RuntimeError(f"job {self.job_id}: only a task a worker runs in its own thread submits children")
+        ids = self._submit_children(task, args, then, max_fan_out)
+        self._children = len(ids)
+        return ids
+
+    @property
+    def fanned_out(self) -> bool:
+        """True once this run submitted children: it ends awaiting them, not finished."""
+        return self._children > 0
 
     def check_hold(self) -> None:
         if self._hold_lost():

@@ -185,6 +185,7 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
         "pressure_factor": round(breakdown.pressure, 4),
         "hard_max": breakdown.hard_max,
         "dedicated": breakdown.dedicated,
+        "max_fan_out": tp.max_fan_out,
         "idle_share": breakdown.idle_share,
         "fair_share": round(breakdown.fair_share, 3) if breakdown.fair_share is not None else None,
         "shard_cap": breakdown.shard_cap,

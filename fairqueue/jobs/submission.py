@@ -74,6 +74,11 @@ class JobRequest:
     run_at: str | None = None
     delay_seconds: float | None = None
     max_attempts: int | None = None
+    # Fan-out (fairqueue.jobs.fanout), set by a running parent's JobContext, never by the API:
+    # its id, this child's index (JOIN_INDEX: its continuation), the document key's cap.
+    parent_id: str | None = None
+    child_index: int | None = None
+    fan_out_cap: int | None = None
 
 
 @dataclass(frozen=True)
@@ -165,8 +170,9 @@ def _prepare(
         )
     run_at, due_at = due_time(run_at=req.run_at, delay_seconds=req.delay_seconds, now=now, where=where)
     deferred = is_deferred(due_at, now)
+    document = req.parent_id if req.parent_id is not None and (req.child_index or 0) >= 0 else ""
     engine_tag, names = (
-        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch, resources=resources)
+        job_placement(tenant=tenant_policy, sub_tenant=sub, batch=req.batch, resources=resources, document=document)
         if tenant_policy is not None
         else ("", [])  # not synced yet: the first admission stores where it went
     )
@@ -191,6 +197,9 @@ def _prepare(
         max_attempts=max_attempts,
         status=JobStatus.SCHEDULED if deferred else JobStatus.QUEUED,
         traceparent=traceparent,
+        parent_id=uuid.UUID(req.parent_id) if req.parent_id is not None else None,
+        child_index=req.child_index,
+        fan_out_cap=req.fan_out_cap,
     )
 
 

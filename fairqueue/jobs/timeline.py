@@ -28,6 +28,8 @@ REQUEUED = "requeued"
 ATTEMPT_FAILED = "attempt_failed"
 RETRY_SCHEDULED = "retry_scheduled"
 FINISHED = "finished"  # terminal states only
+AWAITING = "awaiting"  # its run ended after submitting children (fairqueue.jobs.fanout)
+JOINED = "joined"  # its last child ended: its continuation was submitted
 
 
 @dataclass(frozen=True)

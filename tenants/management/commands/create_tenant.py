@@ -42,6 +42,7 @@ class Command(BaseCommand):
         )
         parser.add_argument("--shard", help="Shard name; created if missing (default: 'default').")
         parser.add_argument("--sub-tenant-share", type=float, help="Cap of unregistered sub-tenants (0.01-1).")
+        parser.add_argument("--fan-out", dest="max_fan_out", type=int, help="Max fan-out per job (children at once).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         slug: str = options["slug"]
@@ -57,7 +58,7 @@ class Command(BaseCommand):
             f"{verb} tenant {tenant.slug} on shard {tenant.shard.name}: floor {tenant.floor}, "
             f"max {tenant.max_concurrency if tenant.max_concurrency is not None else 'none'}, "
             f"burst floor {tenant.burst_floor}, burst {tenant.burst_pct}, dedicated {tenant.dedicated}, "
-            f"batch {'on' if tenant.batch_enabled else 'off'}. New API key (shown once):"
+            f"fan-out {tenant.max_fan_out}, batch {'on' if tenant.batch_enabled else 'off'}. New API key (shown once):"
         )
         self.stdout.write(raw_key)
 
@@ -84,6 +85,7 @@ class Command(BaseCommand):
             "dedicated": options["dedicated"],
             "batch_enabled": options["batch"],
             "sub_tenant_share": options["sub_tenant_share"],
+            "max_fan_out": options["max_fan_out"],
         }
         for field, value in fields.items():
             if value is not None:
