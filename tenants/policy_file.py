@@ -13,7 +13,7 @@ The document (objects are keyed by name, so a reviewed diff reads as the change)
     tenants:
       acme: {name: Acme, active: true, shard: default, floor: 2, burst_floor: 2, burst_pct: 0.5,
              max_concurrency: null, dedicated: 0, batch_enabled: false, default_latency_class: null,
-             sub_tenant_share: 0.5, webhook_url: "", sub_tenants: {clinic-9: 4}}
+             sub_tenant_share: 0.5, max_fan_out: 10, webhook_url: "", sub_tenants: {clinic-9: 4}}
 
 A field left out keeps its value (a new object takes the model's default); an object left
 out is kept, unless the file is applied with `prune`, which deletes it. No secrets: API
@@ -67,6 +67,7 @@ TENANT_FIELDS = (
     "batch_enabled",
     "default_latency_class",
     "sub_tenant_share",
+    "max_fan_out",
     "webhook_url",
 )
 SUB_TENANTS = "sub_tenants"

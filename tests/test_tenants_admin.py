@@ -34,6 +34,7 @@ def tenant_form(**overrides: Any) -> dict[str, Any]:
         "dedicated": "0",
         "default_latency_class": "",
         "sub_tenant_share": "0.5",
+        "max_fan_out": "10",
         "sub_tenants-TOTAL_FORMS": "0",
         "sub_tenants-INITIAL_FORMS": "0",
         "sub_tenants-MIN_NUM_FORMS": "0",
@@ -212,6 +213,7 @@ class TenantValidationTests(AdminTestCase):
             ({"floor": "101"}, "floor", "capacity of shard default"),
             ({"sub_tenant_share": "0"}, "sub_tenant_share", "greater than or equal to 0.01"),
             ({"sub_tenant_share": "2"}, "sub_tenant_share", "less than or equal to 1.0"),
+            ({"max_fan_out": "0"}, "max_fan_out", "greater than or equal to 1"),
             ({"slug": "Not A Slug"}, "slug", "lowercase"),
         ]
         for overrides, field, fragment in cases:

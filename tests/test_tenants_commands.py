@@ -62,8 +62,12 @@ class CreateTenantTests(CommandTestCase):
             "4",
             "--sub-tenant-share",
             "0.25",
+            "--fan-out",
+            "7",
         )
         tenant = Tenant.objects.get(slug="acme")
+        self.assertEqual(tenant.max_fan_out, 7)
+        self.assertEqual(self.redis.hget(keys.tenant_key("acme"), "max_fan_out"), "7")
         self.assertEqual(tenant.name, "Acme Corp")
         self.assertEqual(tenant.shard.name, "default")
         self.assertEqual(
@@ -90,6 +94,7 @@ class CreateTenantTests(CommandTestCase):
             (["--burst-pct", "11"], "burst_pct"),
             (["--floor", "-1"], "floor"),
             (["--sub-tenant-share", "0"], "sub_tenant_share"),
+            (["--fan-out", "0"], "max_fan_out"),
             (["--shard", "Bad Name"], "name"),
         ]
         for extra, fragment in cases:

@@ -49,6 +49,7 @@ class TenantSyncTests(PolicyTestCase):
                 batch_enabled=True,
                 default_latency_class=high,
                 sub_tenant_share=0.4,
+                max_fan_out=25,
             )
             self.assertFalse(self.redis.exists(keys.tenant_key("acme")), "nothing is written before commit")
         for callback in callbacks:
@@ -69,6 +70,7 @@ class TenantSyncTests(PolicyTestCase):
                 "batch_enabled": "1",
                 "default_class": "high",
                 "sub_tenant_share": "0.4",
+                "max_fan_out": "25",
                 "version": str(self.version()),
             },
         )
