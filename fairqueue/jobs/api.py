@@ -346,6 +346,18 @@ class WaitingOn(BaseModel):
     limit: int | None
     holders: int
     position: int | None
+    document: uuid.UUID | None = Field(
+        None,
+        description="Set when the key is a document's: the parent job whose fan-out cap this child waits for.",
+    )
+
+
+class ChildrenOut(BaseModel):
+    total: int = Field(..., description="Child jobs the job submitted (its continuation not counted).")
+    waiting: int = Field(..., description="Not started yet (queued, parked, scheduled or waiting for a retry).")
+    running: int
+    succeeded: int
+    failed: int = Field(..., description="Failed or cancelled.")
 
 
 class AttemptOut(BaseModel):
@@ -367,7 +379,8 @@ class JobOut(BaseModel):
     status: str = Field(
         ...,
         description="scheduled (delayed until run_at), queued, parked, running, retrying (an attempt failed; "
-        "the next enters admission at next_attempt_at), succeeded, failed, cancelled.",
+        "the next enters admission at next_attempt_at), awaiting (its run submitted child jobs and ended; "
+        "their join decides its outcome), succeeded, failed, cancelled.",
     )
     task: str
     priority: str
@@ -400,6 +413,12 @@ class JobOut(BaseModel):
         None, description="The wall-clock limit each attempt runs under: the task's, or the lower one asked at submit."
     )
     resources: list[str] = Field(default_factory=list, description="Outside resources the job calls.")
+    parent_id: uuid.UUID | None = Field(
+        None, description="The job that submitted this one as a child (fan-out), or whose continuation it is."
+    )
+    children: ChildrenOut | None = Field(
+        None, description="Set on GET /jobs/{id} of a job that submitted child jobs: their states."
+    )
     waiting_on: WaitingOn | None = None
     position: int | None = Field(
         None,
@@ -640,7 +659,10 @@ Rfc3339Time = Annotated[AwareDatetime, BeforeValidator(_rfc3339), AfterValidator
 # Module-level (ruff B008): the time bounds' query parameters, with their documentation.
 SUBMITTED_SINCE = Query(None, description="Only jobs submitted at or after this time (RFC 3339, with a UTC offset).")
 SUBMITTED_BEFORE = Query(None, description="Only jobs submitted before this time (RFC 3339, with a UTC offset).")
-JobStatusName = Literal["scheduled", "queued", "parked", "running", "retrying", "succeeded", "failed", "cancelled"]
+PARENT_ID = Query(None, description="Only the child jobs of this job (fan-out), its continuation included.")
+JobStatusName = Literal[
+    "scheduled", "queued", "parked", "running", "retrying", "awaiting", "succeeded", "failed", "cancelled"
+]
 
 
 @api.get(
@@ -653,6 +675,7 @@ async def list_jobs(
     status: JobStatusName | None = None,
     task: str | None = Query(None, min_length=1, max_length=100, description="Only jobs of this task."),
     sub_tenant: str | None = Query(None, min_length=1, max_length=200, description="Only jobs of this sub-tenant."),
+    parent_id: uuid.UUID | None = PARENT_ID,
     submitted_since: Rfc3339Time | None = SUBMITTED_SINCE,
     submitted_before: Rfc3339Time | None = SUBMITTED_BEFORE,
     limit: int = Query(50, ge=1, le=500),
@@ -676,6 +699,7 @@ async def list_jobs(
         status=status,
         task=task,
         sub_tenant=sub_tenant,
+        parent_id=parent_id,
         submitted_since=submitted_since,
         submitted_before=submitted_before,
     )

@@ -23,7 +23,6 @@ other's, so at least one of them sees both.
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -270,23 +269,3 @@ def joins_sweep(*, limit: int = JOIN_SWEEP_BATCH) -> int:
         except Exception:
             log.exception("could not join parent %s", parent_id)
     return done
-
-
-def children_summary(parent_id: uuid.UUID) -> dict[str, int]:
-    """A parent's children by state (its continuation not counted): total, waiting (not
-    started, or waiting for a retry), running, succeeded and failed (cancelled included)."""
-    counts = dict(
-        Job.objects.filter(parent_id=parent_id, child_index__gte=0)
-        .values_list("status")
-        .annotate(n=Count("id"))
-        .values_list("status", "n")
-    )
-    return {
-        "total": sum(counts.values()),
-        "waiting": sum(
-            counts.get(s, 0) for s in (JobStatus.QUEUED, JobStatus.PARKED, JobStatus.SCHEDULED, JobStatus.RETRYING)
-        ),
-        "running": counts.get(JobStatus.RUNNING, 0) + counts.get(JobStatus.AWAITING, 0),
-        "succeeded": counts.get(JobStatus.SUCCEEDED, 0),
-        "failed": counts.get(JobStatus.FAILED, 0) + counts.get(JobStatus.CANCELLED, 0),
-    }

@@ -11,7 +11,7 @@ from django.db import models
 from django.db.models import QuerySet
 
 from fairqueue.jobs import live, payloads
-from fairqueue.jobs.admission import flood_utilisation, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import document_key, flood_utilisation, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
@@ -50,6 +50,7 @@ class JobListFilters:
     status: str | None = None
     sub_tenant: str | None = None
     task: str | None = None
+    parent_id: uuid.UUID | None = None  # a parent's children (fan-out)
     submitted_since: datetime | None = None  # inclusive
     submitted_before: datetime | None = None  # exclusive
 
@@ -58,8 +59,11 @@ def job_list_rows(*, tenant: Tenant, filters: JobListFilters) -> QuerySet[Job]:
     """The tenant's jobs that pass `filters`, newest first (the list's order and its
     cursor's). An index serves each filter alone with this order: (tenant, submitted_at,
     id) the time range, (tenant, status, submitted_at) the status, job_tenant_task and
-    job_tenant_sub_tenant the task and the sub-tenant (Job.Meta.indexes)."""
+    job_tenant_sub_tenant the task and the sub-tenant, job_parent a parent's children
+    (Job.Meta.indexes)."""
     qs = Job.objects.filter(tenant=tenant)
+    if filters.parent_id:
+        qs = qs.filter(parent_id=filters.parent_id)
     if filters.status:
         qs = qs.filter(status=filters.status)
     if filters.task:
@@ -132,7 +136,33 @@ def job_waiting_on(job: Job) -> dict[str, Any] | None:
         "limit": key_state.limit,
         "holders": key_state.held,
         "position": state.position,
+        "document": job.parent_id if job.document and state.parked_on == document_key(job.document) else None,
     }
+
+
+def children_summary(parent_id: uuid.UUID) -> dict[str, int] | None:
+    """A parent's children by state (its continuation not counted): total, waiting (not
+    started, or waiting for a retry), running, succeeded and failed (cancelled included);
+    None for a job with no children. One grouped count over the job_parent index."""
+    counts = dict(
+        Job.objects.filter(parent_id=parent_id, child_index__gte=0)
+        .order_by()
+        .values_list("status")
+        .annotate(n=models.Count("id"))
+        .values_list("status", "n")
+    )
+    if not counts:
+        return None
+    return {
+        "total": sum(counts.values()),
+        "waiting": sum(counts.get(s, 0) for s in CHILD_WAITING),
+        "running": counts.get(JobStatus.RUNNING, 0) + counts.get(JobStatus.AWAITING, 0),
+        "succeeded": counts.get(JobStatus.SUCCEEDED, 0),
+        "failed": counts.get(JobStatus.FAILED, 0) + counts.get(JobStatus.CANCELLED, 0),
+    }
+
+
+CHILD_WAITING = (JobStatus.QUEUED, JobStatus.PARKED, JobStatus.SCHEDULED, JobStatus.RETRYING)
 
 
 def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
@@ -162,6 +192,8 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "error_reason": job.error_reason or None,
         "timeout_seconds": job_timeout(job),
         "resources": job.resource_names,
+        "parent_id": job.parent_id,
+        "children": children_summary(job.id) if explain else None,
         "waiting_on": job_waiting_on(job) if explain else None,
     }
 
