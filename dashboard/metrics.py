@@ -261,7 +261,13 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         offered.add_metric([w["hostname"]], w["slots"])
         configured.add_metric([w["hostname"]], w["capacity"])
         backpressure.add_metric([w["hostname"], w["signal"] or "none"], 1.0 if w["slots"] < w["capacity"] else 0.0)
-    families = [offered, configured, backpressure, *_capacity_families(snapshot.get("capacity"))]
+    families = [
+        offered,
+        configured,
+        backpressure,
+        *_capacity_families(snapshot.get("capacity")),
+        *_document_families(snapshot.get("documents")),
+    ]
     return [
         *families,
         *per_tenant,
@@ -295,6 +301,36 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         finished,
         attempts_failed,
     ]
+
+
+def _document_families(documents: dict[str, Any] | None) -> list[Metric]:
+    """Fan-out: a tenant's documents in flight, their children running, and the most any one
+    of them runs (its fan-out, bounded by the document's cap)."""
+    in_flight = GaugeMetricFamily(
+        "fairqueue_tenant_documents_in_flight",
+        "A tenant's fan-out parents awaiting their children.",
+        labels=["tenant"],
+    )
+    fan_out = GaugeMetricFamily(
+        "fairqueue_tenant_fan_out_running",
+        "Child jobs of a tenant's documents in flight that hold their document's key now.",
+        labels=["tenant"],
+    )
+    fan_out_max = GaugeMetricFamily(
+        "fairqueue_tenant_fan_out_max",
+        "The most child jobs any one of a tenant's documents runs now.",
+        labels=["tenant"],
+    )
+    for slug, row in sorted(((documents or {}).get("tenants") or {}).items()):
+        in_flight.add_metric([slug], row["documents"])
+        fan_out.add_metric([slug], row["running"])
+        fan_out_max.add_metric([slug], row["max_running"])
+    total = GaugeMetricFamily(
+        "fairqueue_documents_in_flight",
+        "Fan-out parents awaiting their children, fleet-wide.",
+        value=(documents or {}).get("in_flight", 0),
+    )
+    return [in_flight, fan_out, fan_out_max, total]
 
 
 def dependency_family(up: dict[str, bool]) -> GaugeMetricFamily:

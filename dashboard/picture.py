@@ -14,7 +14,9 @@ through the channel layer; each page's consumer turns it into that page's frame
   their cells with their history, and every cell counted by colour; the worst RED_SHOWN
   red cells and how many there are;
 - the pool, the workers, capacity, the outside resources, which services answer and the
-  latest policy changes, as the snapshot has them.
+  latest policy changes, as the snapshot has them;
+- the documents in flight (fan-out parents): how many, the busiest, and the figures of
+  the tenants shown and of those the busiest belong to.
 
 Shape::
 
@@ -29,6 +31,7 @@ Shape::
      "red": {"cells": [cell without history, ...], "total"},
      "workers": [...], "resources": [...], "dependencies": {name: answers now},
      "policy_changes": [...],                  # the latest, drawn as markers on the charts
+     "documents": {"in_flight", "tenants": {slug: {...}} (those shown), "top": [...]},  # fan-out
      "capacity": {... as the snapshot's, but "ahead" as "ahead_values": [slots, ...] one every
                   "ahead_step_s" from "ts"}}
 
@@ -187,6 +190,20 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         "resources": snapshot["resources"],
         "dependencies": snapshot["dependencies"],
         "policy_changes": snapshot["policy_changes"],
+        "documents": _documents(snapshot.get("documents"), shown),
+    }
+
+
+def _documents(documents: dict[str, Any] | None, shown: Collection[str]) -> dict[str, Any]:
+    """The documents in flight: the busiest, and the per-tenant figures of the tenants shown
+    plus of the tenants those busiest belong to (bounded like the rows)."""
+    if not documents:
+        return {"in_flight": 0, "tenants": {}, "top": []}
+    keep = set(shown) | {d["tenant"] for d in documents["top"]}
+    return {
+        "in_flight": documents["in_flight"],
+        "tenants": {slug: row for slug, row in documents["tenants"].items() if slug in keep},
+        "top": documents["top"],
     }
 
 

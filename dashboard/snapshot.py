@@ -46,7 +46,10 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
       "resources": [{"name", "limit" (configured), "effective" (now; 0 while paused), "effective_exact",
                      "paused_for_s" (null unless paused), "refusals"}],
-      "policy_changes": [{"ts", "id", "text", "user", "source"}]  # the latest, oldest first
+      "policy_changes": [{"ts", "id", "text", "user", "source"}],  # the latest, oldest first
+      "documents": {"in_flight",   # fan-out parents awaiting their children
+                    "tenants": {slug: {"documents", "children", "running", "max_running"}},
+                    "top": [{"id", "tenant", "children", "cap", "running"}]}  # the busiest
     }
 
 The charts draw each policy change as a marker at its time (tenants.change_markers): a cell's
@@ -67,8 +70,8 @@ from typing import Any
 from dashboard.gc_pause import gc_paused
 from dashboard.tenant_rows import LimitsRaw, RowsInputs, TenantRows
 from fairqueue.engine.keys import key_name
-from fairqueue.jobs import cells, live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, flood_utilisation, shard_tag, tenant_key
+from fairqueue.jobs import cells, documents, live
+from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, document_key, flood_utilisation, shard_tag, tenant_key
 from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
@@ -82,6 +85,9 @@ BATCH_CLASS = cells.BATCH_CLASS  # pseudo-class of the batch lane in the grid
 HISTORY_LEN = 120  # ticks kept per cell (about two minutes at one tick per second)
 HISTORY_TTL_SECONDS = 24 * 3600  # a cell that disappears from policy takes its history with it
 GREEN, ORANGE, RED = "green", "orange", "red"
+# Documents in flight (fan-out parents) listed one by one, most pages running first; the
+# rest are counted per tenant.
+DOCUMENTS_SHOWN = 20
 
 
 def history_key(shard: str, latency_class: str) -> str:
@@ -174,6 +180,43 @@ def snapshot_forget() -> None:
         _kept, _roster = _Kept(), None
 
 
+def _documents_view(docs: list[documents.Document], *, prefix: str) -> dict[str, Any]:
+    """The documents in flight: per tenant their count, children and children running (the
+    holders of their document keys, one HMGET per shard), and the DOCUMENTS_SHOWN busiest."""
+    running: dict[str, int] = {}
+    if docs:
+        by_shard: dict[str, list[documents.Document]] = {}
+        for doc in docs:
+            by_shard.setdefault(doc.shard, []).append(doc)
+        pipe = redis_client().pipeline(transaction=False)
+        for shard, group in by_shard.items():
+            pipe.hmget(key_name(prefix, shard_tag(shard), "state"), [document_key(d.parent_id) for d in group])
+        for group, raw in zip(by_shard.values(), pipe.execute(), strict=True):
+            running.update({d.parent_id: int(v or 0) for d, v in zip(group, raw, strict=True)})
+    tenants: dict[str, dict[str, int]] = {}
+    for doc in docs:
+        row = tenants.setdefault(doc.tenant, {"documents": 0, "children": 0, "running": 0, "max_running": 0})
+        row["documents"] += 1
+        row["children"] += doc.children
+        row["running"] += running.get(doc.parent_id, 0)
+        row["max_running"] = max(row["max_running"], running.get(doc.parent_id, 0))
+    busiest = sorted(docs, key=lambda d: (-running.get(d.parent_id, 0), -d.children, d.parent_id))
+    return {
+        "in_flight": len(docs),
+        "tenants": tenants,
+        "top": [
+            {
+                "id": d.parent_id,
+                "tenant": d.tenant,
+                "children": d.children,
+                "cap": d.cap,
+                "running": running.get(d.parent_id, 0),
+            }
+            for d in busiest[:DOCUMENTS_SHOWN]
+        ],
+    }
+
+
 def snapshot_build(*, record: bool = False, with_history: bool = True) -> dict[str, Any]:
     """Build the snapshot; `record=True` (the broadcaster, once per tick) appends to history.
     The answer shares objects with the builds before and after it: read it, do not change it."""
@@ -201,6 +244,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         pipe.hmget(key_name(prefix, shard_tag(shard), "state"), names)
     pipe.get(live.SHARES_VERSION_KEY)  # the tick's shares and limits as of when
     pipe.zrange(CHANGE_MARKERS_KEY, 0, -1)  # the latest policy changes, for the charts' markers
+    pipe.hgetall(documents.DOCUMENTS_KEY)  # the documents in flight (fan-out parents)
     results = iter(pipe.execute())
     if kept.count_names is not count_names:
         kept.count_names, kept.held_raw, kept.shard_held, kept.holders = count_names, {}, {}, {}
@@ -224,6 +268,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         in_flight += max(0, shard_held - batch_held)
     limits_version: str | None = next(results)
     markers_raw = next(results)
+    in_flight_documents = documents.documents_parse(next(results) or {})
     if markers_raw != kept.markers_raw:
         kept.markers_raw, kept.markers = markers_raw, markers_parse(markers_raw)
     # A missing version (nothing published, or expired) is never taken as unchanged.
@@ -311,5 +356,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "resources": resources_explain(policy),
         # Which of the services FairQueue needs answer now (a restart or failover in progress).
         "dependencies": dependencies_up(),
+        # Fan-out parents awaiting their children, per tenant, and the busiest of them.
+        "documents": _documents_view(in_flight_documents, prefix=prefix),
         "policy_changes": kept.markers,
     }

@@ -12,6 +12,9 @@ from typing import Any
 from django.conf import settings
 from django.test import Client, override_settings
 
+from dashboard.metrics import collector_register
+from dashboard.picture import picture_make
+from dashboard.snapshot import snapshot_build
 from fairqueue.jobs.models import JOIN_INDEX, Job, JobStatus, LedgerEntry
 from fairqueue.jobs.recovery import state_ensure
 from tenants.models import Shard, Tenant
@@ -284,3 +287,28 @@ class FanOutFairnessTests(FanOutBase):
             self.assertLessEqual(len(ahead), 2, f"{len(ahead)} large-document pages started first")
         for job in finished:
             self.assertLess((job.finished_at - job.submitted_at).total_seconds(), 3.0, job.timeline)
+
+
+class FanOutDashboardTests(FanOutBase):
+    def test_the_snapshot_and_metrics_show_documents_in_flight_and_their_fan_out(self) -> None:
+        _, key = _tenant("dash", max_fan_out=2)
+        with WorkerProcess(slots=6):
+            doc = self.document(key, pages=8, seconds=0.8)
+
+            def busy() -> dict[str, Any] | None:
+                view = snapshot_build(with_history=False)["documents"]
+                row = view["tenants"].get("dash")
+                return view if row and row["running"] == 2 else None
+
+            view = wait_for(busy, message="the document running two pages in the snapshot")
+            self.assertEqual(view["in_flight"], 1)
+            self.assertEqual(view["tenants"]["dash"], {"documents": 1, "children": 8, "running": 2, "max_running": 2})
+            self.assertEqual(view["top"], [{"id": doc, "tenant": "dash", "children": 8, "cap": 2, "running": 2}])
+            picture = picture_make(snapshot_build(with_history=False), top_n=5, watched=())
+            self.assertEqual(picture["documents"]["top"][0]["id"], doc)
+            collector_register().invalidate()
+            text = self.client.get("/metrics").content.decode()
+            self.assertIn('fairqueue_tenant_documents_in_flight{tenant="dash"} 1.0', text)
+            self.assertRegex(text, r'fairqueue_tenant_fan_out_max\{tenant="dash"\} [12]\.0')
+            self.wait_finished(doc)
+        self.assertEqual(snapshot_build(with_history=False)["documents"]["in_flight"], 0)

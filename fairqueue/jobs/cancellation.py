@@ -7,7 +7,7 @@ import logging
 
 from django.utils import timezone
 
-from fairqueue.jobs import cells, fanout, stats
+from fairqueue.jobs import cells, documents, fanout, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer
 from fairqueue.jobs.errors import JobError
@@ -84,6 +84,7 @@ def _parent_cancel(job: Job) -> Job:
     if not updated:
         raise JobError(409, "not_cancellable", f"Job is already {job.status}.", None)
     stats.count("finished:cancelled")
+    documents.documents_forget([str(job.id)])
     children_cancel(parent=job)
     return job
 

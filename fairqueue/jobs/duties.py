@@ -88,6 +88,7 @@ def joins_step() -> None:
         return
     _joins_last = time.monotonic()
     fanout.joins_sweep()
+    fanout.documents_prune()
 
 
 def cells_step() -> None:

@@ -29,7 +29,7 @@ from typing import Any
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from fairqueue.jobs import stats
+from fairqueue.jobs import documents, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import (
@@ -121,6 +121,9 @@ def children_submit(
     created = sum(1 for r in results if r.created)
     if created:
         stats.count("fanout:children", created)
+    documents.document_record(
+        parent_id=parent_id, tenant=tenant_policy.slug, shard=tenant_policy.shard, children=len(reqs), cap=cap
+    )
     return [str(r.job.id) for r in results]
 
 
@@ -244,6 +247,7 @@ def _parent_finish(
     )
     if won:
         stats.count(f"finished:{status}")
+        documents.documents_forget([str(parent.id)])
     return won
 
 
@@ -253,6 +257,23 @@ def child_finished_safely(job: Job) -> None:
         child_finished(job)
     except Exception:
         log.exception("join check after job %s failed; the duty's sweep joins its parent", job.id)
+
+
+def documents_prune() -> int:
+    """Drop the documents the picture holds whose parent is no longer awaiting or running
+    (a finish whose forget was lost); returns how many."""
+    held = [d.parent_id for d in documents.documents_read()]
+    if not held:
+        return 0
+    live_ids = {
+        str(i)
+        for i in Job.objects.filter(id__in=held)
+        .exclude(status__in=sorted(TERMINAL_STATUSES))
+        .values_list("id", flat=True)
+    }
+    gone = [i for i in held if i not in live_ids]
+    documents.documents_forget(gone)
+    return len(gone)
 
 
 def joins_sweep(*, limit: int = JOIN_SWEEP_BATCH) -> int:
