@@ -312,3 +312,15 @@ class FanOutDashboardTests(FanOutBase):
             self.assertRegex(text, r'fairqueue_tenant_fan_out_max\{tenant="dash"\} [12]\.0')
             self.wait_finished(doc)
         self.assertEqual(snapshot_build(with_history=False)["documents"]["in_flight"], 0)
+
+
+class ContinuationSubmitTests(FanOutBase):
+    def test_a_continuation_task_cannot_be_submitted_by_itself(self) -> None:
+        _, key = _tenant("sneaky")
+        body = {"task": "demo.document_join", "args": {"parent_id": "x", "children": [], "failed": []}}
+        resp = self.client.post(
+            "/api/v1/jobs", json.dumps(body), content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {key}"
+        )
+        self.assertEqual(resp.status_code, 400, resp.content)
+        self.assertEqual(resp.json()["error"]["code"], "continuation_task")
+        self.assertFalse(Job.objects.exists())

@@ -309,11 +309,11 @@ class JobIn(BaseModel):
         le=MAX_DELAY.total_seconds(),
         description="Start no earlier than this many seconds from now (see run_at). Not with run_at.",
     )
-    max_attempts: JsonInteger | None = Field(
+    # The bounds inside the Annotated, before the validator: given to Field beside it they
+    # reach the schema as `ge`/`le` (no JSON Schema keywords) and the document states no bounds.
+    max_attempts: Annotated[int, Field(ge=1, le=MAX_ATTEMPTS_LIMIT), BeforeValidator(_whole_number)] | None = Field(
         None,
         strict=True,
-        ge=1,
-        le=MAX_ATTEMPTS_LIMIT,
         description="Lower the task's retry policy to this many attempts in all (1: no retry); "
         "above the task's own max_attempts is refused.",
     )

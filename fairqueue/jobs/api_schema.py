@@ -22,7 +22,7 @@ from ninja import NinjaAPI
 from ninja.openapi.schema import REF_TEMPLATE, OpenAPISchema
 from pydantic.json_schema import models_json_schema
 
-from fairqueue.jobs.registry import RegisteredTask, task_get, task_names
+from fairqueue.jobs.registry import RegisteredTask, is_continuation, task_get, task_names
 from tenants.models import LatencyClass, Resource
 
 SUBMISSION = "JobSubmission"  # the union's component
@@ -150,7 +150,7 @@ def submit_bodies_describe(schema: dict[str, Any], *, base: str, choices: Submit
     if base not in components:
         return
     _choices_describe(components[base]["properties"], choices)
-    tasks = [t for name in task_names() if (t := task_get(name)) is not None]
+    tasks = [t for name in task_names() if (t := task_get(name)) is not None and not is_continuation(t)]
     if not tasks:
         return  # no task registered: the generic body is all there is to say
     generic = components.pop(base)

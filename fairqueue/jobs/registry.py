@@ -198,5 +198,11 @@ def task_get(name: str) -> RegisteredTask | None:
     return _REGISTRY.get(name)
 
 
+def is_continuation(task: RegisteredTask) -> bool:
+    """A task taking JoinArgs runs only as a fan-out's join (fairqueue.jobs.fanout), never
+    submitted by itself: its arguments are the children's outcomes, which only the join knows."""
+    return issubclass(task.args_model, JoinArgs)
+
+
 def task_names() -> list[str]:
     return sorted(_REGISTRY)

@@ -42,8 +42,8 @@ from fairqueue.jobs.delays import due_time, is_deferred
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.fastinit import builder
-from fairqueue.jobs.models import KEY_SEPARATOR, Job, JobStatus
-from fairqueue.jobs.registry import task_get
+from fairqueue.jobs.models import JOIN_INDEX, KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.registry import is_continuation, task_get
 from fairqueue.jobs.task_limits import valid_limit
 from tenants.models import Tenant
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -111,6 +111,13 @@ def _prepare(
     registered = task_get(req.task)
     if registered is None:
         raise JobError(400, "unknown_task", f"Unknown task {req.task!r}.", f"{where}task")
+    if is_continuation(registered) and req.child_index != JOIN_INDEX:
+        raise JobError(
+            400,
+            "continuation_task",
+            f"{req.task} is a continuation: it runs only as the join of a job's children (submit_children's then).",
+            f"{where}task",
+        )
     if not isinstance(req.args, dict):
         raise JobError(400, "invalid_args", "args must be a JSON object.", f"{where}args")
     try:

@@ -21,7 +21,7 @@ SHARDS = {"eu-1": 24, "us-1": 24}
 # slug -> (shard, tenant fields); sub-tenants listed separately.
 TENANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "acme": ("eu-1", {"name": "Acme Corp (steady)", "floor": 4}),
-    "globex": ("us-1", {"name": "Globex (steady)", "floor": 4}),
+    "globex": ("us-1", {"name": "Globex (steady, documents)", "floor": 4, "max_fan_out": 8}),
     "initech": ("eu-1", {"name": "Initech (noisy, bursty)", "floor": 2, "burst_pct": 1.0}),
     "umbrella": ("us-1", {"name": "Umbrella Health (sub-tenants)", "floor": 4}),
     "hooli": ("eu-1", {"name": "Hooli (batch opt-in)", "floor": 2, "batch_enabled": True}),

@@ -16,6 +16,16 @@ from django.core.management.base import BaseCommand, CommandParser
 
 from tenants.models import Tenant
 
+# One document in LARGE_DOCUMENT_EVERY is large: LARGE_DOCUMENT_PAGES pages.
+LARGE_DOCUMENT_EVERY = 20
+LARGE_DOCUMENT_PAGES = (100, 400)
+
+
+def _document(r: random.Random) -> dict[str, Any]:
+    large = r.randrange(LARGE_DOCUMENT_EVERY) == 0
+    pages = r.randint(*LARGE_DOCUMENT_PAGES) if large else r.randint(1, 2)
+    return {"task": "demo.document", "args": {"pages": pages, "seconds_per_page": round(r.uniform(0.1, 0.5), 3)}}
+
 
 class Command(BaseCommand):
     help = "Submit demo load over HTTP: steady tenants, a periodic noisy burst, sub-tenants and batch work."
@@ -61,6 +71,10 @@ class Command(BaseCommand):
                 0.2,
                 lambda r: {"task": "demo.sleep", "args": {"seconds": 0.1}, "priority": "critical"},
             ),
+            # Documents that fan out one job per page (fairqueue.jobs.fanout): mostly a page
+            # or two, now and then a large one, which its document key caps and whose pages
+            # are one flow at globex's key, so the small documents keep flowing past it.
+            ("globex", 0.5, _document),
         ]
         threads = [
             threading.Thread(target=self._steady, args=(slug, rate, body, random.Random(rng.random())), daemon=True)
