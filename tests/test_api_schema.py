@@ -12,9 +12,9 @@ from typing import Any
 
 from django.test import Client
 
-from fairqueue.jobs.api import CANCEL_JOB, GET_JOB, GET_JOB_WEBHOOKS
+from fairqueue.jobs.api import CANCEL_JOB, GET_JOB, GET_JOB_WEBHOOKS, LIST_JOBS
 from fairqueue.jobs.api_schema import SUBMISSION, member_name
-from fairqueue.jobs.registry import task_get, task_names
+from fairqueue.jobs.registry import is_continuation, task_get, task_names
 from tenants.models import LatencyClass, Resource
 from tests.base import RedisTestCase
 from tests.workers import ROOT, worker_env
@@ -38,7 +38,10 @@ class SubmitBodyTests(RedisTestCase):
         union = self.components[SUBMISSION]
         mapping = union["discriminator"]["mapping"]
         self.assertEqual(union["discriminator"]["propertyName"], "task")
-        self.assertEqual(sorted(mapping), task_names())
+        # A continuation (a fan-out's join) is no task a customer submits.
+        submittable = [n for n in task_names() if not is_continuation(task_get(n))]  # type: ignore[arg-type]
+        self.assertEqual(sorted(mapping), submittable)
+        self.assertNotIn("demo.document_join", mapping)
         self.assertEqual(sorted(r["$ref"] for r in union["oneOf"]), sorted(mapping.values()))
         self.assertIn("demo.sleep", mapping)
         self.assertIn("invoices.send", mapping)
@@ -96,11 +99,14 @@ class SubmitBodyTests(RedisTestCase):
             with self.subTest(path=path, status=status):
                 links = self.schema["paths"][path]["post"]["responses"][status]["links"]
                 self.assertEqual(
-                    {link["operationId"] for link in links.values()}, {GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS}
+                    {link["operationId"] for link in links.values()},
+                    {GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS},
                 )
                 for link in links.values():
                     self.assertIn(link["operationId"], ids)
-                    self.assertEqual(link["parameters"], {"job_id": pointer})
+                    # The list takes the id as the parent whose children it lists (fan-out).
+                    param = "parent_id" if link["operationId"] == LIST_JOBS else "job_id"
+                    self.assertEqual(link["parameters"], {param: pointer})
 
     def test_outside_the_demo_the_document_has_no_demo_task(self) -> None:
         probe = (

@@ -443,6 +443,13 @@ def add_arguments(parser: Any) -> None:
         f"{', '.join(MIXED_MODES)} (with --quick or --smoke: shorter)",
     )
     parser.add_argument(
+        "--documents",
+        action="store_true",
+        help="the fan-out workload (fairqueue.bench.documents): one tenant sends large documents, the others "
+        "one-page documents, in modes fifo, long (one job per document) and fanout (with --quick or --smoke: "
+        "shorter)",
+    )
+    parser.add_argument(
         "--modes",
         default=None,
         help=f"comma-separated subset of {','.join(MODES)} (default: {','.join(SHORT_JOB_MODES)}; with --mixed "

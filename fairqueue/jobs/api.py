@@ -551,18 +551,19 @@ def _links(pointer: str, *operations: str) -> dict[str, Any]:
     """OpenAPI links from the job id at `pointer` in an answer to the operations that take
     it (a client, or a stateful test, follows them)."""
     names = {
-        GET_JOB: ("GetJob", "This job: its status, place in line and result."),
-        CANCEL_JOB: ("CancelJob", "Cancel this job."),
-        GET_JOB_WEBHOOKS: ("GetJobWebhooks", "This job's completion events and their deliveries."),
+        GET_JOB: ("GetJob", "job_id", "This job: its status, place in line and result."),
+        CANCEL_JOB: ("CancelJob", "job_id", "Cancel this job."),
+        GET_JOB_WEBHOOKS: ("GetJobWebhooks", "job_id", "This job's completion events and their deliveries."),
+        LIST_JOBS: ("ListChildren", "parent_id", "The child jobs this job submitted (fan-out)."),
     }
     return {
-        names[op][0]: {"operationId": op, "parameters": {"job_id": pointer}, "description": names[op][1]}
+        names[op][0]: {"operationId": op, "parameters": {names[op][1]: pointer}, "description": names[op][2]}
         for op in operations
     }
 
 
 _ID = "$response.body#/id"
-_JOB_LINKS = _links(_ID, GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)
+_JOB_LINKS = _links(_ID, GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)
 
 
 def _tenant(request: HttpRequest) -> Tenant:
@@ -628,7 +629,7 @@ async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[st
     operation_id=SUBMIT_JOBS_BULK,
     # The first job's id (a bulk answers its jobs in the order submitted).
     openapi_extra={
-        "responses": {202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)}}
+        "responses": {202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)}}
     },
 )
 async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> HttpResponse:
@@ -724,7 +725,7 @@ async def get_limits(request: HttpRequest) -> dict[str, Any]:
     "/jobs/{job_id}",
     response={200: JobOut, **_errors(401, 403, 404, 503)},
     operation_id=GET_JOB,
-    openapi_extra={"responses": {200: {"links": _links(_ID, CANCEL_JOB, GET_JOB_WEBHOOKS)}}},
+    openapi_extra={"responses": {200: {"links": _links(_ID, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)}}},
 )
 async def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     return await in_api_thread(_job_with_eta, _tenant(request), job_id)
@@ -744,7 +745,7 @@ async def get_job_webhooks(request: HttpRequest, job_id: str) -> list[dict[str, 
     "/jobs/{job_id}/cancel",
     response={200: JobOut, **_errors(401, 403, 404, 409, 503)},
     operation_id=CANCEL_JOB,
-    openapi_extra={"responses": {200: {"links": _links(_ID, GET_JOB, GET_JOB_WEBHOOKS)}}},
+    openapi_extra={"responses": {200: {"links": _links(_ID, GET_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)}}},
 )
 async def cancel_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     return await in_api_thread(_job_cancel, _tenant(request), job_id)

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from fairqueue.bench import (
     backoff_bench,
+    documents,
     engine_bench,
     fleet_bench,
     joblist_bench,
@@ -95,6 +96,8 @@ class Command(BaseCommand):
                 "job-list": joblist_bench,
             }
             module = modules[options["bench"]]
+            if options["bench"] == "noisy" and options.get("documents"):
+                module = documents  # the fan-out workload (--documents)
             try:
                 result = module.run_command(options, log=self.stdout.write)
             except RuntimeError as exc:
