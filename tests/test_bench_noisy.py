@@ -15,6 +15,9 @@ import redis
 from django.conf import settings
 from django.test import SimpleTestCase
 
+from fairqueue.bench.documents import MODES as DOC_MODES
+from fairqueue.bench.documents import PRESETS as DOC_PRESETS
+from fairqueue.bench.documents import doc_metrics, doc_plan, peak_overlap
 from fairqueue.bench.noisy import (
     NOISY_SLUG,
     PRESETS,
@@ -160,4 +163,46 @@ class BenchNoisySmokeTests(SimpleTestCase):
         self.assertEqual(fair["jobs"], doc["workload"]["jobs_planned"])
         self.assertEqual(fair["failed"], 0)
         self.assertIn("client's clock", doc["definitions"]["wait"])
+        self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")
+
+
+class BenchDocumentsTests(SimpleTestCase):
+    def test_the_document_figures_on_hand_made_runs(self) -> None:
+        # Two slots. A large document of three pages, two at once; a one-page document that
+        # waited 0.5 s for a slot.
+        docs = [
+            {"tenant": NOISY_SLUG, "submitted": 0.0, "finished": 2.0, "ok": True},
+            {"tenant": "quiet-1", "submitted": 0.5, "finished": 2.0, "ok": True},
+        ]
+        runs = [
+            {"doc": "big", "submitted": 0.0, "started": 0.0, "run_started": 0.0, "run_finished": 1.0},
+            {"doc": "big", "submitted": 0.0, "started": 0.0, "run_started": 0.0, "run_finished": 1.0},
+            {"doc": "big", "submitted": 0.0, "started": 1.0, "run_started": 1.0, "run_finished": 2.0},
+            {"doc": "small", "submitted": 0.5, "started": 1.0, "run_started": 1.0, "run_finished": 2.0},
+        ]
+        m = doc_metrics(docs, runs, slots=2)
+        self.assertEqual(m["peak_document_concurrency"], 2)
+        self.assertAlmostEqual(m["small_p99_s"], 1.5)
+        self.assertAlmostEqual(m["large_makespan_s"], 2.0)
+        self.assertAlmostEqual(m["utilization"], 1.0)  # both slots busy while the backlog lasted
+        self.assertEqual(peak_overlap([(0.0, 1.0), (1.0, 2.0)]), 1)  # end and start at once: not together
+        self.assertEqual(doc_plan(DOC_PRESETS["smoke"]), doc_plan(DOC_PRESETS["smoke"]))
+
+    def test_smoke_run_reports_every_mode_and_the_target(self) -> None:
+        url = bench_redis_url()
+        doc, stdout = bench_noisy_run(self, ["--documents", "--smoke", "--redis-url", url])
+        self.assertEqual(set(doc["modes"]), set(DOC_MODES))
+        w = doc["workload"]
+        for mode, figures in doc["modes"].items():
+            with self.subTest(mode=mode):
+                self.assertEqual(figures["documents"], len(doc_plan(DOC_PRESETS["smoke"])))
+                self.assertEqual(figures["failed"], 0)
+                self.assertIsNotNone(figures["small_p99_s"])
+                self.assertIsNotNone(figures["utilization"])
+        self.assertEqual(doc["modes"]["long"]["peak_document_concurrency"], 1)
+        # The document key's cap: never more pages of one document at once than the fan-out.
+        self.assertLessEqual(doc["modes"]["fanout"]["peak_document_concurrency"], w["fan_out"])
+        self.assertEqual(doc["modes"]["fanout"]["runs"], sum(d.pages for d in doc_plan(DOC_PRESETS["smoke"])))
+        self.assertIn(doc["targets"]["small_p99_vs_fifo"]["met"], (True, False))
+        self.assertIn("small_p99_vs_fifo", stdout)
         self.assertEqual(redis.Redis.from_url(url).dbsize(), 0, "the bench must leave its Redis database empty")

@@ -60,11 +60,13 @@ class DocWorkload:
     slots_per_worker: int = 4
     quiet_tenants: int = 4
     quiet_docs_per_s: float = 1.0  # per quiet tenant, evenly spaced
-    page_s: float = 0.1  # every page's run time
+    # Every page's run time: long enough that FairQueue's per-job work (a few database
+    # writes, two engine calls) leaves the pool's slots busy on a two-core machine.
+    page_s: float = 0.5
     large_docs: int = 20
     large_pages: int = 100
     warmup_s: float = 2.0  # one-page documents before the large ones
-    steady_s: float = 16.0  # how long the quiet tenants keep sending
+    steady_s: float = 20.0  # how long the quiet tenants keep sending
     fan_out: int = 10  # the tenants' max fan-out per job
 
     @property
@@ -74,7 +76,7 @@ class DocWorkload:
 
 PRESETS: dict[str, DocWorkload] = {
     "default": DocWorkload(),
-    "quick": DocWorkload(large_docs=10, large_pages=60, steady_s=8.0),
+    "quick": DocWorkload(large_docs=10, large_pages=60, page_s=0.3, steady_s=8.0),
     "smoke": DocWorkload(
         workers=1, quiet_tenants=2, large_docs=3, large_pages=12, page_s=0.05, warmup_s=0.5, steady_s=3.0, fan_out=2
     ),

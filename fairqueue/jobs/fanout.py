@@ -26,7 +26,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from django.db.models import Count, Q
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from fairqueue.jobs import documents, stats
@@ -102,8 +102,11 @@ def children_submit(
     if tenant_policy is None:
         raise FanOutError(f"tenant {parent.tenant.slug}'s policy is not synced yet")
     cap = fan_out_cap(tenant_max=tenant_policy.max_fan_out, asked=max_fan_out)
-    # The continuation's task is the parent's own record: written by the running generation.
+    # The continuation's task is the parent's own record: written by the running generation;
+    # the countdown is set before any child exists (so none ends before it), once: a
+    # re-delivered parent finds it set, and its children already counted.
     Job.objects.filter(id=parent.id, generation=generation, status=JobStatus.RUNNING).update(then_task=then or "")
+    Job.objects.filter(id=parent.id, generation=generation, children_open__isnull=True).update(children_open=len(args))
     reqs = [
         JobRequest(
             task=task,
@@ -153,6 +156,8 @@ def parent_join(parent_id: Any) -> bool:
     continuation (once), or finish it when it has none. True if this call joined it."""
     parent = Job.objects.select_related("tenant").filter(id=parent_id, status=JobStatus.AWAITING).first()
     if parent is None:
+        return False
+    if parent.children_open:  # not its last child yet (a lost count-down is the sweep's)
         return False
     outcomes = _outcomes(parent.id)
     if outcomes is None:
@@ -213,6 +218,7 @@ def child_finished(job: Job) -> bool:
     if job.parent_id is None:
         return False
     if job.child_index != JOIN_INDEX:
+        Job.objects.filter(id=job.parent_id, children_open__gt=0).update(children_open=F("children_open") - 1)
         return parent_join(job.parent_id)
     join = Job.objects.filter(id=job.id).first()
     parent = Job.objects.select_related("tenant").filter(id=job.parent_id, status=JobStatus.AWAITING).first()
@@ -277,14 +283,16 @@ def documents_prune() -> int:
 
 
 def joins_sweep(*, limit: int = JOIN_SWEEP_BATCH) -> int:
-    """Join the awaiting parents whose children have all ended (a join check lost to a
-    crash); returns how many it joined or finished."""
+    """Join the awaiting parents whose children have all ended (a join check, or a child's
+    count-down, lost to a crash); returns how many it joined or finished."""
     awaiting = Job.objects.filter(status=JobStatus.AWAITING).annotate(
         open=Count("children", filter=Q(children__status__in=NOT_FINISHED))
     )
     done = 0
     for parent_id in awaiting.filter(open=0).values_list("id", flat=True)[:limit]:
         try:
+            # The children say none is open: the count is set right before the exact check.
+            Job.objects.filter(id=parent_id, status=JobStatus.AWAITING).update(children_open=0)
             if parent_join(parent_id):
                 done += 1
         except Exception:

@@ -171,6 +171,10 @@ class Job(models.Model):
     child_index = models.IntegerField(null=True, blank=True)
     fan_out_cap = models.PositiveIntegerField(null=True, blank=True, help_text="Children of one parent run at most.")
     then_task = models.CharField(max_length=100, blank=True, default="", help_text="Continuation run at the join.")
+    # On a parent: its children not finished yet, as counted down by their ends (each once,
+    # after the compare-and-set that finished it). A hint that spares the join's exact check
+    # on every child's end but the last; NULL until the parent first submits children.
+    children_open = models.IntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["-submitted_at"]
