@@ -164,29 +164,52 @@ def run_command(options: dict[str, Any], *, log: Log) -> dict[str, Any]:
         w = replace(w, workers=options["workers"])
     if options.get("slots_per_worker"):
         w = replace(w, slots_per_worker=options["slots_per_worker"])
-    return run(redis_url=options["redis_url"], preset=preset, workload=w, modes=modes, force=options["force"], log=log)
+    return run(
+        redis_url=options["redis_url"],
+        preset=preset,
+        workload=w,
+        modes=modes,
+        force=options["force"],
+        database_url=options.get("database_url"),
+        log=log,
+    )
 
 
 def run(
-    *, redis_url: str, preset: str, workload: DocWorkload, modes: list[str], force: bool, log: Log = print
+    *,
+    redis_url: str,
+    preset: str,
+    workload: DocWorkload,
+    modes: list[str],
+    force: bool,
+    database_url: str | None = None,
+    log: Log = print,
 ) -> dict[str, Any]:
+    """Every mode on a fresh stack: a copy of one migrated SQLite file, or (`database_url`,
+    a PostgreSQL server) a fresh database fq_bench_documents_<mode> there."""
     stack.redis_db_prepare(redis_url, force=force)
     work_dir = stack.BENCH_DIR
     work_dir.mkdir(parents=True, exist_ok=True)
     template = work_dir / "documents-template.sqlite3"
     started = time.monotonic()
     log(f"bench noisy --documents ({preset}): {workload.workers} workers x {workload.slots_per_worker} slots")
-    stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
+    if database_url is None:
+        stack.fresh_database(template, stack.stack_env(redis_url=redis_url, db_path=template))
     results: dict[str, dict[str, Any]] = {}
     try:
         for mode in modes:
             t0 = time.monotonic()
             stack.redis_db_flush(redis_url)
             db_path = work_dir / f"documents-{mode}.sqlite3"
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{db_path}{suffix}").unlink(missing_ok=True)
-            db_path.write_bytes(template.read_bytes())
-            env = stack.stack_env(redis_url=redis_url, db_path=db_path)
+            if database_url is None:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+                db_path.write_bytes(template.read_bytes())
+                env = stack.stack_env(redis_url=redis_url, db_path=db_path)
+            else:
+                mode_url = stack.fresh_postgres(database_url, f"fq_bench_documents_{mode}")
+                env = stack.stack_env(redis_url=redis_url, db_path=db_path, database_url=mode_url)
+                stack.migrate(env)
             with tempfile.TemporaryDirectory() as tmp:
                 spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
                 spec.write_text(json.dumps({"mode": mode, "workload": asdict(workload)}))
@@ -201,6 +224,7 @@ def run(
     doc: dict[str, Any] = {
         "modes": results,
         "workload": {**asdict(workload), "preset": preset, "slots": workload.slots},
+        "database": "postgresql" if database_url else "sqlite",
         "definitions": {
             "end_to_end": "document end - document submit (fifo: last page's finish; long: the job's; "
             "fanout: the parent's, after its join)",
