@@ -137,6 +137,21 @@ class FanOutTests(FanOutBase):
         self.assertEqual([j.result for j in finished], [{"pages": 3}] * 3)
 
 
+class FanOutRetryTests(FanOutBase):
+    def test_a_failed_page_follows_its_retry_policy_and_the_join_sees_only_final_failures(self) -> None:
+        _, key = _tenant("retries", max_fan_out=4)
+        with WorkerProcess(slots=4, **TASKS):
+            body = {"task": "tests.flaky_document", "args": {"fail_times": [0, 2, 0, 0], "permanent": [3]}}
+            doc = self.submit(key, body)["id"]
+            parent = self.wait_finished(doc, timeout=60)
+        self.assertEqual(parent.status, JobStatus.SUCCEEDED, parent.error)
+        # Page 1 failed twice and then succeeded (retried, not failed); page 3 failed for good.
+        self.assertEqual(parent.result, {"failed": [3], "statuses": ["succeeded", "succeeded", "succeeded", "failed"]})
+        retried = Job.objects.get(parent_id=doc, child_index=1)
+        self.assertEqual((retried.status, retried.attempts), (JobStatus.SUCCEEDED, 3))
+        self.assertEqual(Job.objects.filter(parent_id=doc, child_index=JOIN_INDEX).count(), 1)
+
+
 class FanOutCancelTests(FanOutBase):
     def test_cancelling_a_document_cancels_its_pages_not_started(self) -> None:
         _, key = _tenant("cancel", max_fan_out=1)
