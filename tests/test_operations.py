@@ -204,6 +204,7 @@ class MoveTests(E2EBase):
             "max_concurrency": tenant.max_concurrency or "",
             "dedicated": tenant.dedicated,
             "sub_tenant_share": tenant.sub_tenant_share,
+            "max_fan_out": tenant.max_fan_out,
             "default_latency_class": tenant.default_latency_class_id or "",
             "sub_tenants-TOTAL_FORMS": 0,
             "sub_tenants-INITIAL_FORMS": 0,
