@@ -482,6 +482,8 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         "default_job_seconds",
         "batch_objective_seconds",
         "floor_headroom",
+        "quarantine_after_losses",
+        "quarantine_slots",
         "updated_at",
     ]
     readonly_fields = ["updated_at"]
@@ -490,6 +492,7 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
         ("Floors", {"fields": ["floor_headroom"]}),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
+        ("Quarantine lane", {"fields": ["quarantine_after_losses", "quarantine_poison_losses", "quarantine_slots"]}),
         REASON_FIELDSET,
         (None, {"fields": ["updated_at"]}),
     ]

@@ -273,6 +273,26 @@ class PoolSettings(models.Model):
             "floor waits at most for one job to end."
         ),
     )
+    quarantine_after_losses = models.PositiveSmallIntegerField(
+        default=1,
+        help_text=(
+            "Worker deaths under a job (a SIGKILL, an OOM kill, a lease that ran out without a hand-back) that move "
+            "it to the quarantine lane, run only by workers started for it (manage.py worker --quarantine). "
+            "0: no lane; a job fails as worker_lost after FAIRQUEUE_POISON_PILL_LIMIT deaths."
+        ),
+    )
+    quarantine_poison_losses = models.PositiveSmallIntegerField(
+        default=2,
+        validators=[MinValueValidator(1)],
+        help_text="Further worker deaths in the quarantine lane after which a job fails as a poison pill.",
+    )
+    quarantine_slots = models.PositiveIntegerField(
+        default=1,
+        help_text=(
+            "Quarantined jobs that may run at once, per shard (an engine key each such job holds with its tenant's "
+            "keys; beyond it they wait in fair order). 0: none run (the lane is paused)."
+        ),
+    )
     updated_at = models.DateTimeField(auto_now=True)
     history = _policy_history()
 

@@ -145,6 +145,9 @@ class PoolPolicy:
     default_job_seconds: float = 1.0
     batch_objective_seconds: int = 12 * 3600
     floor_headroom: int = 0
+    quarantine_after_losses: int = 1
+    quarantine_poison_losses: int = 2
+    quarantine_slots: int = 1
     version: int = 0
 
     @classmethod
@@ -159,6 +162,10 @@ class PoolPolicy:
             default_job_seconds=float(data["default_job_seconds"]),
             batch_objective_seconds=int(data["batch_objective_seconds"]),
             floor_headroom=int(data.get("floor_headroom") or 0),
+            # A pool hash written before the lane existed: its defaults.
+            quarantine_after_losses=int(data.get("quarantine_after_losses", 1)),
+            quarantine_poison_losses=int(data.get("quarantine_poison_losses", 2)),
+            quarantine_slots=int(data.get("quarantine_slots", 1)),
             version=int(data.get("version") or 0),
         )
 

@@ -6,7 +6,8 @@ The document (objects are keyed by name, so a reviewed diff reads as the change)
 
     format: fairqueue-policy/1
     pool: {target_utilisation: 0.85, f_min: 0.25, f_max: 4.0, rate_window_seconds: 300,
-           default_job_seconds: 1.0, batch_objective_seconds: 43200, floor_headroom: 0}
+           default_job_seconds: 1.0, batch_objective_seconds: 43200, floor_headroom: 0,
+           quarantine_after_losses: 1, quarantine_poison_losses: 2, quarantine_slots: 1}
     shards: {default: {capacity: 100}}
     latency_classes: {critical: {objective_seconds: 60, rank: 40}, ...}
     resources: {llm-a: {limit: 10, decrease_factor: 0.5, increase_per_success: 0.2, recovery_seconds: 10.0}}
@@ -51,6 +52,9 @@ POOL_FIELDS = (
     "default_job_seconds",
     "batch_objective_seconds",
     "floor_headroom",
+    "quarantine_after_losses",
+    "quarantine_poison_losses",
+    "quarantine_slots",
 )
 SHARD_FIELDS = ("capacity",)
 CLASS_FIELDS = ("objective_seconds", "rank")

@@ -94,6 +94,9 @@ def _pool_mapping(pool: PoolSettings) -> dict[str, str]:
         "default_job_seconds": repr(float(pool.default_job_seconds)),
         "batch_objective_seconds": str(pool.batch_objective_seconds),
         "floor_headroom": str(pool.floor_headroom),
+        "quarantine_after_losses": str(pool.quarantine_after_losses),
+        "quarantine_poison_losses": str(pool.quarantine_poison_losses),
+        "quarantine_slots": str(pool.quarantine_slots),
     }
 
 

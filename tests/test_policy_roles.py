@@ -77,6 +77,9 @@ class RolesTestCase(RedisTestCase):
                 "default_job_seconds": "1",
                 "batch_objective_seconds": "43200",
                 "floor_headroom": "0",
+                "quarantine_after_losses": "1",
+                "quarantine_poison_losses": "2",
+                "quarantine_slots": "1",
             },
         }
 

@@ -151,6 +151,9 @@ class PagesTests(AdminTestCase):
                     "default_job_seconds": "2.5",
                     "batch_objective_seconds": "43200",
                     "floor_headroom": "0",
+                    "quarantine_after_losses": "1",
+                    "quarantine_poison_losses": "2",
+                    "quarantine_slots": "1",
                 },
                 "f_max",
                 2.0,
@@ -268,6 +271,9 @@ class TenantValidationTests(AdminTestCase):
             "default_job_seconds": "1",
             "batch_objective_seconds": "43200",
             "floor_headroom": "0",
+            "quarantine_after_losses": "1",
+            "quarantine_poison_losses": "2",
+            "quarantine_slots": "1",
         }
         response = self.client.post(reverse("admin:tenants_poolsettings_change", args=[pool.pk]), data)
         self.assert_form_error(response, "f_min", "must not exceed f_max")

@@ -22,6 +22,10 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 # so waiting jobs never eat the shared capacity of wider keys (or inflate in-flight counts).
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
+# Per shard: the quarantine lane's cap (PoolSettings.quarantine_slots), held by quarantined
+# jobs besides their tenant's keys. It sorts after the tenant's keys and before the shard's:
+# a job waiting for a quarantine slot holds no shard slot meanwhile.
+QUARANTINE_KEY = "3:quarantine"
 BATCH_PRIORITY = 0
 # Admitted jobs may outnumber the pool's live slots by this many: a delivery in transit to a
 # worker holds a pool slot it does not use yet. Handoffs and pulls run the next job in the
@@ -178,15 +182,19 @@ def batch_limits(
     return {shard: running + idle for shard, running in batch_by_shard.items()}
 
 
-def key_names(*, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = ()) -> list[str]:
+def key_names(
+    *, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = (), quarantined: bool = False
+) -> list[str]:
     """A job's key names (admission_plan pairs them with limits). A release passes them to
     the engine as a hint that saves it a read; a stale hint (the job moved lanes) is
-    ignored there. The keys of the outside resources it calls come last here (the engine
-    sorts them first)."""
+    ignored there. The keys of the outside resources it calls come next here (the engine
+    sorts them first); a quarantined job's lane key last."""
     names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
     if sub_tenant:
         names.append(sub_tenant_key(tenant_slug, sub_tenant))
     names += [resource_key(r) for r in resources]
+    if quarantined:
+        names.append(QUARANTINE_KEY)
     return names
 
 
@@ -197,12 +205,12 @@ def known_resources(policy: PolicySnapshot, names: Sequence[str]) -> list[str]:
 
 
 def job_placement(
-    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = ()
+    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = (), quarantined: bool = False
 ) -> tuple[str, list[str]]:
     """Where a job is admitted now: its engine tag and key names. Stored on the job, so its
     later engine calls go to the same place even if the tenant or shard is renamed or moved."""
     return shard_tag(tenant.shard), key_names(
-        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources
+        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources, quarantined=quarantined
     )
 
 
@@ -229,6 +237,7 @@ def admission_plan(
     placement: tuple[str, list[str]] | None = None,
     resource_limits: Mapping[str, int] | None = None,
     pool_room: int | None = None,
+    quarantined: bool = False,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
@@ -242,6 +251,9 @@ def admission_plan(
     `pool_room` (`pool_room()`, None: no cap) caps the shard key, which every job holds
     last, at what the pool's live slots leave for this shard: the broker never holds more
     admitted jobs than the workers can start.
+
+    `quarantined`: the job is in the quarantine lane; it holds the lane's key too, at the
+    pool's `quarantine_slots`, and waits there in fair order (one flow per tenant).
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
@@ -257,7 +269,11 @@ def admission_plan(
         limits.append(cap)
     resources = sorted(resource_limits or {})
     limits += [(resource_limits or {})[r] for r in resources]
-    tag, names = placement or job_placement(tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources)
+    if quarantined:
+        limits.append(policy.pool.quarantine_slots)
+    tag, names = placement or job_placement(
+        tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources, quarantined=quarantined
+    )
     # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
     # weighted by its floor per second of its jobs (flow_weight); at the tenant key each
     # sub-tenant is one (splitting work over many sub-tenants or keys gains nothing at the
@@ -268,6 +284,8 @@ def admission_plan(
     if sub_tenant:
         flows.append(("", 1.0))
     flows += [tenant_flow] * len(resources)  # shared by tenants like the shard: one flow each
+    if quarantined:
+        flows.append(tenant_flow)
     keys = [
         KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
     ]

@@ -343,6 +343,9 @@ class BulkIn(BaseModel):
 
 class WaitingOn(BaseModel):
     key: str
+    lane: Literal["quarantine"] | None = Field(
+        None, description="`quarantine`: the job waits for a slot of the quarantine lane (the lane's own cap)."
+    )
     limit: int | None
     holders: int
     position: int | None
@@ -394,13 +397,21 @@ class JobOut(BaseModel):
         None,
         description="Why the job failed: `exception` (the task raised), `timeout` (past its timeout_seconds), "
         "`memory_limit` (an isolated task past its memory limit), `crashed` (an isolated task's process died), "
-        "`worker_lost`, `unknown_task`.",
+        "`worker_lost` (workers kept dying under it), `quarantine_failed` (failed from the quarantine lane by an "
+        "operator), `unknown_task`.",
     )
     timeout_seconds: float | None = Field(
         None, description="The wall-clock limit each attempt runs under: the task's, or the lower one asked at submit."
     )
     resources: list[str] = Field(default_factory=list, description="Outside resources the job calls.")
     waiting_on: WaitingOn | None = None
+    quarantined: bool = Field(
+        False,
+        description="In the quarantine lane: workers died under it (quarantine_reason says how often), so it runs "
+        "only on quarantine workers, under the lane's own concurrency cap.",
+    )
+    quarantined_at: AnswerTime | None = Field(None, description="When worker deaths moved it to quarantine.")
+    quarantine_reason: str | None = Field(None, description="Why it was moved to quarantine.")
     position: int | None = Field(
         None,
         description="Jobs ahead of this one on the key it waits on, in the scheduler's order (0: next); "
@@ -469,6 +480,9 @@ class PoolOut(Schema):
         "other shards hold, so the broker never holds an admitted backlog (null: no worker registered).",
     )
     floor_headroom: int = Field(0, description="Slots kept for tenants below their floor (a pool setting).")
+    quarantine_slots: int = Field(
+        1, description="Jobs of the quarantine lane that may run at once per shard (a pool setting)."
+    )
     flood_utilisation: float = Field(
         1.0, description="The headroom's cost: the share of the pool a tenant above its floor can fill."
     )

@@ -29,11 +29,19 @@ from celery import signals
 
 from fairqueue import tracing
 from fairqueue.celery import app
-from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_target
+from fairqueue.queues import (
+    BATCH_QUEUE,
+    JOBS_QUEUE,
+    QUARANTINE_PRIORITY,
+    QUARANTINE_QUEUE,
+    broker_is_amqp,
+    message_target,
+)
 
 __all__ = [
     "BATCH_QUEUE",
     "JOBS_QUEUE",
+    "QUARANTINE_QUEUE",
     "broker_identity",
     "broker_ping",
     "deliveries_publish",
@@ -47,6 +55,7 @@ __all__ = [
 
 RUN_TASK_NAME = "fairqueue.run_job"
 BATCH_ROUTE = "batch"
+QUARANTINE_ROUTE = "quarantine"  # fairqueue.jobs.quarantine: read only by quarantine workers
 DEFAULT_LEVEL = 5  # a route this code does not know (an older version's) still runs
 
 
@@ -56,10 +65,11 @@ def split_engine_id(engine_id: str) -> tuple[str, int]:
     return job_id, int(gen)
 
 
-def delivery_route(*, level: int, batch: bool, carry: str = "") -> str:
+def delivery_route(*, level: int, batch: bool, carry: str = "", quarantined: bool = False) -> str:
     """The engine data string that says where a delivery of this job is published (and,
-    after a space, the job's trace `carry`, when it has one)."""
-    route = BATCH_ROUTE if batch else str(level)
+    after a space, the job's trace `carry`, when it has one). A quarantined job goes to the
+    quarantine lane whatever its class or batch flag."""
+    route = QUARANTINE_ROUTE if quarantined else BATCH_ROUTE if batch else str(level)
     return f"{route} {carry}" if carry else route
 
 
@@ -77,9 +87,16 @@ def route_level(data: str) -> int | None:
     return int(route) if route.isdigit() else DEFAULT_LEVEL
 
 
+def route_target(route: str, *, amqp: bool) -> tuple[str, int]:
+    """(queue, message priority) of a delivery on `route` (an engine data string)."""
+    if route_carry(route)[0] == QUARANTINE_ROUTE:
+        return QUARANTINE_QUEUE, QUARANTINE_PRIORITY
+    return message_target(route_level(route), amqp=amqp)
+
+
 def delivery_queue(route: str) -> str:
     """The queue a delivery on `route` is published to."""
-    return message_target(route_level(route), amqp=_amqp())[0]
+    return route_target(route, amqp=_amqp())[0]
 
 
 def _amqp() -> bool:
@@ -100,7 +117,7 @@ def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
     """
     if _amqp():
         return True
-    queue, priority = message_target(route_level(route), amqp=False)
+    queue, priority = route_target(route, amqp=False)
     with app.producer_pool.acquire(block=True) as producer:
         channel = producer.channel
         order = _fetch_order(channel, consumed)
@@ -156,7 +173,7 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
             for engine_id, data in deliveries:
                 job_id, gen = split_engine_id(engine_id)
                 route, carry = route_carry(data)
-                queue, priority = message_target(route_level(route), amqp=amqp)
+                queue, priority = route_target(route, amqp=amqp)
                 # Celery's instrumentation puts the current context in the message's headers:
                 # the job's own, whichever job's release is publishing it.
                 with tracing.within(tracing.carry_read(carry)[0]):
@@ -381,7 +398,7 @@ def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> Non
     by_list: dict[str, list[str]] = {}
     for engine_id, data in deliveries:
         job_id, gen = split_engine_id(engine_id)
-        target = message_target(route_level(route_carry(data)[0]), amqp=False)
+        target = route_target(data, amqp=False)
         template = _template(producer.connection, *target)
         by_list.setdefault(channel._q_for_pri(*target), []).append(template.message(job_id, gen, parent))
     pipe = _publish_client(channel).pipeline(transaction=False)

@@ -122,6 +122,7 @@ def _mark_queued(due: list[Job], policy: PolicySnapshot, marked_at: datetime) ->
                 sub_tenant=job.sub_tenant,
                 batch=job.in_batch_lane,
                 resources=known_resources(policy, job.resource_names),
+                quarantined=job.quarantined,
             )
             keys, admitted_at = KEY_SEPARATOR.join(names), marked_at
         groups[(job.status, job.generation, tag, keys, admitted_at)].append(job)

@@ -162,7 +162,11 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
     fields = {"promoted_at": promoted_at, "generation": job.generation + 1, "status": JobStatus.QUEUED}
     if tenant is not None:
         tag, names = job_placement(
-            tenant=tenant, sub_tenant=job.sub_tenant, batch=False, resources=known_resources(policy, job.resource_names)
+            tenant=tenant,
+            sub_tenant=job.sub_tenant,
+            batch=False,
+            resources=known_resources(policy, job.resource_names),
+            quarantined=job.quarantined,
         )
         fields.update(engine_tag=tag, engine_keys=KEY_SEPARATOR.join(names))
     won = Job.objects.filter(

@@ -147,7 +147,12 @@ def _job_run(
     if not job.engine_tag:  # a row from before placements were stored
         job.engine_tag = shard_tag(job.tenant.shard.name)
         job.engine_keys = KEY_SEPARATOR.join(
-            key_names(tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane)
+            key_names(
+                tenant_slug=job.tenant.slug,
+                sub_tenant=job.sub_tenant,
+                batch=job.in_batch_lane,
+                quarantined=job.quarantined,
+            )
         )
     tag = job.engine_tag
     # Rolling deploys: a job this worker's version cannot run goes back for another worker.

@@ -147,6 +147,7 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
             sub_tenant=job.sub_tenant,
             batch=job.in_batch_lane,
             resources=known_resources(policy, job.resource_names),
+            quarantined=job.quarantined,
         )
         keys = KEY_SEPARATOR.join(names)
         if (job.engine_tag, job.engine_keys) == (tag, keys):

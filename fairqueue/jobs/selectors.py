@@ -11,12 +11,13 @@ from django.db import models
 from django.db.models import QuerySet
 
 from fairqueue.jobs import live, payloads
-from fairqueue.jobs.admission import flood_utilisation, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs.admission import QUARANTINE_KEY, flood_utilisation, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
 from fairqueue.jobs.list_cursor import cursor_decode, cursor_encode, jobs_after
 from fairqueue.jobs.models import DEFERRED_STATUSES, SUB_TENANT_SET, Job, JobStatus
+from fairqueue.jobs.quarantine import LANE as QUARANTINE_LANE
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
@@ -129,6 +130,7 @@ def job_waiting_on(job: Job) -> dict[str, Any] | None:
     key_state = engine().inspect_key(tag=tag, key=state.parked_on, holders=False)
     return {
         "key": state.parked_on,
+        "lane": QUARANTINE_LANE if state.parked_on == QUARANTINE_KEY else None,
         "limit": key_state.limit,
         "holders": key_state.held,
         "position": state.position,
@@ -163,6 +165,9 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "timeout_seconds": job_timeout(job),
         "resources": job.resource_names,
         "waiting_on": job_waiting_on(job) if explain else None,
+        "quarantined": job.quarantined,
+        "quarantined_at": job.quarantined_at,
+        "quarantine_reason": job.quarantine_reason or None,
     }
 
 
@@ -201,6 +206,7 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "batch_in_flight": fleet.batch_in_flight,
             "room": fleet.pool_room(tp.shard),
             "floor_headroom": policy.pool.floor_headroom,
+            "quarantine_slots": policy.pool.quarantine_slots,
             "flood_utilisation": round(flood_utilisation(slots=fleet.slots, headroom=policy.pool.floor_headroom), 4),
         },
         "resources": resources_explain(policy),

@@ -12,7 +12,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from fairqueue.celery import app
-from fairqueue.queues import BATCH_QUEUE, broker_is_amqp
+from fairqueue.queues import BATCH_QUEUE, QUARANTINE_QUEUE, broker_is_amqp
 
 
 class Command(BaseCommand):
@@ -24,13 +24,23 @@ class Command(BaseCommand):
         parser.add_argument("--hostname", "-n", default=None)
         parser.add_argument("--loglevel", "-l", default="warning")
         parser.add_argument("--no-batch", action="store_true", help="Do not consume the batch lane.")
+        parser.add_argument(
+            "--quarantine",
+            action="store_true",
+            help=f"Consume only the quarantine lane ({QUARANTINE_QUEUE}): jobs whose workers died under them. "
+            f"Same as `celery -A fairqueue worker -Q {QUARANTINE_QUEUE}`.",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         argv = ["worker", f"--loglevel={opts['loglevel']}"]
         for option in ("concurrency", "pool", "hostname"):
             if opts[option] is not None:
                 argv.append(f"--{option}={opts[option]}")
-        if opts["no_batch"]:
+        if opts["quarantine"]:
+            if opts["no_batch"]:
+                raise CommandError("--quarantine consumes only the quarantine lane: --no-batch says nothing more")
+            argv.append(f"--queues={QUARANTINE_QUEUE}")
+        elif opts["no_batch"]:
             if broker_is_amqp(app.conf.broker_url):
                 raise CommandError(
                     "--no-batch needs the Redis broker: on RabbitMQ the batch lane is the lowest "
