@@ -261,7 +261,13 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         offered.add_metric([w["hostname"]], w["slots"])
         configured.add_metric([w["hostname"]], w["capacity"])
         backpressure.add_metric([w["hostname"], w["signal"] or "none"], 1.0 if w["slots"] < w["capacity"] else 0.0)
-    families = [offered, configured, backpressure, *_capacity_families(snapshot.get("capacity"))]
+    families = [
+        offered,
+        configured,
+        backpressure,
+        *_capacity_families(snapshot.get("capacity")),
+        *_quarantine_families(snapshot.get("quarantine")),
+    ]
     return [
         *families,
         *per_tenant,
@@ -292,8 +298,35 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
             "Deliveries a worker gave back because its version cannot run the task (rolling deploys).",
             value=cells.get("handed_back", 0.0),
         ),
+        CounterMetricFamily(
+            "fairqueue_quarantine_moved",
+            "Jobs moved to the quarantine lane after worker deaths under them.",
+            value=cells.get("quarantine:moved", 0.0),
+        ),
         finished,
         attempts_failed,
+    ]
+
+
+def _quarantine_families(lane: dict[str, Any] | None) -> list[Metric]:
+    """The quarantine lane (fairqueue.jobs.quarantine): its cap, its jobs and its oldest wait."""
+    if lane is None:
+        return []
+    return [
+        GaugeMetricFamily(
+            "fairqueue_quarantine_slots", "Quarantined jobs that may run at once per shard.", value=lane["slots"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_running",
+            "Quarantined jobs holding a lane slot (running, or on their way to a quarantine worker).",
+            value=lane["running"],
+        ),
+        GaugeMetricFamily("fairqueue_quarantine_waiting", "Quarantined jobs not yet started.", value=lane["waiting"]),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_oldest_wait_seconds",
+            "Age of the oldest quarantined job not yet started (0 when none waits).",
+            value=lane["oldest_wait_s"] or 0.0,
+        ),
     ]
 
 

@@ -19,7 +19,7 @@ through the channel layer; each page's consumer turns it into that page's frame
 Shape::
 
     {"ts", "generated_at", "top_n",
-     "pool": {...}, "totals": {"tenants", "active", "busy", "in_flight", "waiting", "parked",
+     "pool": {...}, "quarantine": {...}, "totals": {"tenants", "active", "busy", "in_flight", "waiting", "parked",
                                "throttled", "red", "orange"},
      "top": [slug, ...],                       # most attention first
      "rows": {slug: row},                      # the snapshot's tenant row (ages to 0.1 s)
@@ -171,6 +171,7 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         "generated_at": snapshot["generated_at"],
         "top_n": top_n,
         "pool": snapshot["pool"],
+        "quarantine": snapshot["quarantine"],
         "totals": tenant_totals(rows),
         "top": [r["slug"] for r in top],
         "rows": shown,

@@ -54,6 +54,10 @@ INSTALLED_APPS = [
 # The demo's own tasks (demo.sleep, demo.parse, demo.noop) are registered only in the demo
 # (and tests) unless asked for: in production any tenant could submit an hour-long sleep.
 DEMO_TASKS = env.bool("FAIRQUEUE_DEMO_TASKS", default=DEMO_MODE)
+# The demo's memory-hungry task (demo.hungry) stands in for a container's memory limit: past
+# this resident size (MB) it SIGKILLs its worker, as the kernel's OOM killer would. 0: no limit.
+# `make demo` gives its normal workers a small one and its quarantine worker none.
+FAIRQUEUE_DEMO_WORKER_MEMORY_MB = env.int("FAIRQUEUE_DEMO_WORKER_MEMORY_MB", default=0)
 if DEMO_TASKS:
     # The example app of docs/tasks.md ("Writing your own tasks"): its tasks are discovered
     # like any installed app's (a `fairqueue_tasks` module), and the test suite runs them.

@@ -24,6 +24,9 @@ from tests.workers import WorkerProcess, wait_for
 LEASE = {"FAIRQUEUE_LEASE_SECONDS": "1"}
 # Long enough that a job is surely still running when its worker is killed or stopped.
 LONG_JOB_SECONDS = 30.0
+# The demo task's peak, past the lean worker's limit (a worker process is about 100 MB).
+HUNGRY_MB = 400
+LEAN_WORKER_MB = 300
 
 
 def fq(**overrides: object) -> dict[str, object]:
@@ -195,3 +198,25 @@ class OperatorTests(QuarantineBase):
         )
         self.assertContains(resp, "Sent 0 job")
         self.assertEqual(self.row(failing).status, JobStatus.FAILED)
+
+
+class DemoTests(QuarantineBase):
+    def test_the_hungry_demo_task_is_oom_killed_on_a_lean_worker_and_succeeds_in_quarantine(self) -> None:
+        # The demo's deployment: lean normal workers (a memory limit the task passes), a
+        # quarantine worker with room. The normal worker dies for real (SIGKILL, as the OOM
+        # killer does); a replacement (the deployment's restart) finds it dead and moves it.
+        _, key = make_tenant("hungry")
+        lean = {**LEASE, "FAIRQUEUE_DEMO_WORKER_MEMORY_MB": str(LEAN_WORKER_MB)}
+        with WorkerProcess(slots=1, name="lean", **lean) as first:
+            job = self.submit(key, {"task": "demo.hungry", "args": {"mb": HUNGRY_MB}})
+            wait_for(
+                lambda: first.proc is not None and first.proc.poll() is not None, timeout=60, message="the OOM kill"
+            )
+        with WorkerProcess(slots=1, name="lean2", **lean):
+            wait_for(lambda: self.row(job).quarantined, timeout=30, message="the move to quarantine")
+            with WorkerProcess(slots=1, name="roomy", quarantine=True, **LEASE) as roomy:
+                wait_for(lambda: self.row(job).status == JobStatus.SUCCEEDED, timeout=60, message="run in quarantine")
+        row = self.row(job)
+        self.assertEqual((row.worker, row.attempts, row.worker_losses), (roomy.hostname, 2, 1))
+        self.assertGreaterEqual(row.result["peak_rss_mb"], HUNGRY_MB)
+        self.assertEqual(LedgerEntry.objects.get(job_id=row.id).writes, 1)

@@ -3,7 +3,8 @@ Redis as jobs move, so the dashboard and /metrics read every cell's count and ol
 in one round trip, whatever the backlog (lua/cells.lua keeps the summaries).
 
 Cell names (opaque to the script): "c|<shard>|<class>" every waiting job of a shard and
-class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked.
+class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked,
+"q|<shard>" the waiting jobs of the shard's quarantine lane (fairqueue.jobs.quarantine).
 The class of a job in the batch lane is BATCH_CLASS; the shard is the tenant's current
 one. Waiting means `queued` or `parked`: a `scheduled` or `retrying` job is in no cell
 until it is due and promoted (fairqueue.jobs.due), and it waits from its `due_at` (the
@@ -80,6 +81,10 @@ def parked_cell(slug: str, latency_class: str) -> str:
     return f"p|{slug}|{latency_class}"
 
 
+def quarantine_cell(shard: str) -> str:
+    return f"q|{shard}"
+
+
 def job_class(job: Job) -> str:
     return BATCH_CLASS if job.in_batch_lane else job.latency_class
 
@@ -98,6 +103,8 @@ def _set_op(job: Job, policy: PolicySnapshot, *, parked: bool, op: str = "set") 
     cells = [shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
     if parked:
         cells.append(parked_cell(tp.slug, cls))
+    if job.quarantined:
+        cells.append(quarantine_cell(tp.shard))
     return [op, str(job.id), wait_score(job), len(cells), *cells]
 
 
