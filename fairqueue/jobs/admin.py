@@ -141,6 +141,7 @@ class JobAdmin(admin.ModelAdmin):
             status=JobStatus.QUEUED,
             generation=F("generation") + 1,
             worker_losses=0,
+            quarantine_losses=0,  # a quarantined job stays in the lane, with its deaths there forgiven
             attempt_failures=0,  # a fresh attempt budget; attempt_history keeps the past ones
             error="",
             error_reason="",

@@ -19,24 +19,39 @@ from webhooks.outbox import job_finish
 OPERATOR_FAILED = "quarantine_failed"
 # Statuses an operator may act on: waiting in the lane, or waiting for its time.
 ACTIONABLE = sorted({*WAITING_STATUSES, *DEFERRED_STATUSES})
+WAITING = sorted(WAITING_STATUSES)
 
 
-def _actionable(job: Job) -> dict[str, object]:
+def _actionable(job: Job, statuses: list[str] = ACTIONABLE) -> dict[str, object]:
     return {
         "id": job.id,
         "generation": job.generation,
-        "status__in": ACTIONABLE,
+        "status__in": statuses,
         "quarantined_at__isnull": False,
     }
 
 
 def jobs_quarantine_send_back(jobs: QuerySet[Job]) -> int:
     """Send each waiting quarantined job back to the normal lane: a new generation, its
-    death counts cleared, admitted again in the normal lane. Returns how many moved."""
+    death counts cleared, admitted again in the normal lane. A scheduled or retrying one
+    only leaves the lane: it is admitted, in the normal lane, when it is due
+    (fairqueue.jobs.due). Returns how many moved."""
     moved: list[Job] = []
+    count = 0
     for job in jobs.select_related("tenant"):
         was = job.status
-        won = Job.objects.filter(**_actionable(job)).update(
+        if was in DEFERRED_STATUSES:
+            count += Job.objects.filter(
+                id=job.id, generation=job.generation, status=was, quarantined_at__isnull=False
+            ).update(
+                quarantined_at=None,
+                quarantine_reason="",
+                quarantine_losses=0,
+                worker_losses=0,
+                timeline=tl.appended(tl.line(tl.REQUEUED, "sent back from quarantine by an operator")),
+            )
+            continue
+        won = Job.objects.filter(**_actionable(job, WAITING)).update(
             quarantined_at=None,
             quarantine_reason="",
             quarantine_losses=0,
@@ -49,13 +64,12 @@ def jobs_quarantine_send_back(jobs: QuerySet[Job]) -> int:
         )
         if not won:
             continue
-        if was not in DEFERRED_STATUSES:
-            job_release_or_defer(job)  # the old generation's hold (or place in line) in the lane
+        job_release_or_defer(job)  # the old generation's hold (or place in line) in the lane
         moved.append(job)
     if moved:
         cells.jobs_leave([str(j.id) for j in moved])
         jobs_admit(list(Job.objects.filter(id__in=[j.id for j in moved]).select_related("tenant")), enter_cells=True)
-    return len(moved)
+    return count + len(moved)
 
 
 def jobs_quarantine_fail(jobs: QuerySet[Job]) -> int:
