@@ -11,13 +11,17 @@ import time
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client, override_settings
+from kombu import Connection, Queue
 
+from fairqueue.celery import app
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import QUARANTINE_KEY
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.quarantine_actions import OPERATOR_FAILED
 from fairqueue.jobs.recovery import state_ensure
+from fairqueue.queues import QUARANTINE_QUEUE, broker_is_amqp
 from tests.factories import make_tenant, pool_set
+from tests.rabbitmq import RabbitMQBrokerMixin
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
@@ -40,6 +44,14 @@ class QuarantineBase(E2EBase):
         # Before any submit: a worker's first tick that found the state not ready would
         # rebuild it under a job (tests.test_jobs_e2e's WorkerLossTests says why).
         state_ensure()
+
+    def lane_backlog(self) -> int:
+        """Deliveries waiting in the lane's queue, on either broker."""
+        if not broker_is_amqp(str(app.conf.broker_url)):
+            return int(self.redis.llen(f"fq:celery:{QUARANTINE_QUEUE}"))
+        with Connection(str(app.conf.broker_url)) as conn:
+            _, count, _ = Queue(QUARANTINE_QUEUE)(conn.default_channel).queue_declare(passive=True)
+            return int(count)
 
     def row(self, job: dict[str, object]) -> Job:
         return Job.objects.get(id=job["id"])
@@ -82,7 +94,7 @@ class MoveTests(QuarantineBase):
         time.sleep(3)
         row = self.row(job)
         self.assertEqual((row.status in (JobStatus.QUEUED, JobStatus.PARKED), row.attempts), (True, 1), row.status)
-        self.assertEqual(self.redis.llen("fq:celery:fq.quarantine"), 1, "its delivery waits in the lane's queue")
+        self.assertEqual(self.lane_backlog(), 1, "its delivery waits in the lane's queue")
         with WorkerProcess(slots=1, name="quarantine", quarantine=True, **LEASE) as quarantine:
             wait_for(lambda: self.row(job).status == JobStatus.SUCCEEDED, timeout=30, message="run in quarantine")
         row = self.row(job)
@@ -129,6 +141,15 @@ class MoveTests(QuarantineBase):
             done = self.wait_all_finished([j["id"] for j in jobs], timeout=60)
         self.assertEqual([r.status for r in done], [JobStatus.SUCCEEDED] * 2)
         self.assertEqual(max_overlap([(r.started_at, r.finished_at) for r in done]), 1, "the cap is one")
+
+
+class MoveOnRabbitMQTests(RabbitMQBrokerMixin, QuarantineBase):
+    """The move and the lane's own queue with RabbitMQ as the broker: there the lane's
+    queue is declared by its first publish and by the quarantine worker, not by every worker."""
+
+    test_a_job_its_worker_died_under_runs_again_only_on_a_quarantine_worker = (
+        MoveTests.test_a_job_its_worker_died_under_runs_again_only_on_a_quarantine_worker
+    )
 
 
 class ScaleDownTests(QuarantineBase):

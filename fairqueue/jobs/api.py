@@ -59,9 +59,6 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
-JsonInteger = Annotated[int, BeforeValidator(_whole_number)]
-
-
 class StrictJSONParser(Parser):
     """JSON only, no NaN/Infinity/1e999 (PostgreSQL's jsonb refuses them), bounded depth, storable strings."""
 
@@ -309,11 +306,13 @@ class JobIn(BaseModel):
         le=MAX_DELAY.total_seconds(),
         description="Start no earlier than this many seconds from now (see run_at). Not with run_at.",
     )
-    max_attempts: JsonInteger | None = Field(
+    # A whole number (_whole_number), its bounds ahead of the validator: set after it (on the
+    # field), pydantic writes them into the document as `ge`/`le`, which JSON Schema does not
+    # know (a client, or schemathesis, then takes 0 for a valid value).
+    max_attempts: (
+        Annotated[int, Field(strict=True, ge=1, le=MAX_ATTEMPTS_LIMIT), BeforeValidator(_whole_number)] | None
+    ) = Field(
         None,
-        strict=True,
-        ge=1,
-        le=MAX_ATTEMPTS_LIMIT,
         description="Lower the task's retry policy to this many attempts in all (1: no retry); "
         "above the task's own max_attempts is refused.",
     )

@@ -543,11 +543,13 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
             job = Job.objects.select_for_update().select_related("tenant").filter(id=job_id, generation=gen).first()
             if job is None or job.status in TERMINAL_STATUSES:
                 continue
-            if job.status == JobStatus.RUNNING:
+            # Running when its hold ran out: its worker died under it. Not yet running (its
+            # delivery was lost on the way, say): no death.
+            died = job.status == JobStatus.RUNNING
+            if died:
                 job.worker_losses += 1
                 if job.quarantined:
                     job.quarantine_losses += 1
-            died = job.status == JobStatus.RUNNING
             with tracing.span("fairqueue.reclaim", parent=job.traceparent, job_id=str(job.id), generation=gen):
                 tracing.event("reclaimed", was=job.status, worker_losses=job.worker_losses)
             job.timeline += tl.line(tl.RECLAIMED, f"generation {gen} {job.status}")
