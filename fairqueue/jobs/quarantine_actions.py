@@ -6,6 +6,8 @@ A running job is left alone: its worker decides what happens to it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from django.db.models import QuerySet
 from django.utils import timezone
 
@@ -18,11 +20,11 @@ from webhooks.outbox import job_finish
 # What an operator's "fail" leaves as the job's reason.
 OPERATOR_FAILED = "quarantine_failed"
 # Statuses an operator may act on: waiting in the lane, or waiting for its time.
-ACTIONABLE = sorted({*WAITING_STATUSES, *DEFERRED_STATUSES})
-WAITING = sorted(WAITING_STATUSES)
+ACTIONABLE: list[str] = sorted({*WAITING_STATUSES, *DEFERRED_STATUSES})
+WAITING: list[str] = sorted(WAITING_STATUSES)
 
 
-def _actionable(job: Job, statuses: list[str] = ACTIONABLE) -> dict[str, object]:
+def _actionable(job: Job, statuses: Sequence[str] = ACTIONABLE) -> dict[str, object]:
     return {
         "id": job.id,
         "generation": job.generation,
