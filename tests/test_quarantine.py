@@ -10,16 +10,19 @@ import time
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.test import Client, override_settings
+from django.test import Client, SimpleTestCase, override_settings
+from django.utils import timezone
 from kombu import Connection, Queue
 
 from fairqueue.celery import app
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import QUARANTINE_KEY
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
+from fairqueue.jobs.quarantine import Death, death_outcome
 from fairqueue.jobs.quarantine_actions import OPERATOR_FAILED
 from fairqueue.jobs.recovery import state_ensure
 from fairqueue.queues import QUARANTINE_QUEUE, broker_is_amqp
+from tenants.policy import PoolPolicy
 from tests.factories import make_tenant, pool_set
 from tests.rabbitmq import RabbitMQBrokerMixin
 from tests.test_jobs_e2e import E2EBase, max_overlap
@@ -241,3 +244,26 @@ class DemoTests(QuarantineBase):
         self.assertEqual((row.worker, row.attempts, row.worker_losses), (roomy.hostname, 2, 1))
         self.assertGreaterEqual(row.result["peak_rss_mb"], HUNGRY_MB)
         self.assertEqual(LedgerEntry.objects.get(job_id=row.id).writes, 1)
+
+
+class DeathRuleTests(SimpleTestCase):
+    """death_outcome, the rule the lease recovery applies to a death it has just counted."""
+
+    def outcome(self, pool: PoolPolicy, *, losses: int, quarantined: bool = False, in_lane: int = 0) -> Death:
+        job = Job(worker_losses=losses, quarantine_losses=in_lane, worker="w1@host")
+        if quarantined:
+            job.quarantined_at = timezone.now()
+        return death_outcome(job, pool).death
+
+    def test_the_lane_takes_a_job_after_its_deaths_and_fails_it_after_further_ones_there(self) -> None:
+        pool = PoolPolicy(quarantine_after_losses=2, quarantine_poison_losses=2)
+        self.assertEqual(self.outcome(pool, losses=1), Death.RETRY)
+        self.assertEqual(self.outcome(pool, losses=2), Death.QUARANTINE)
+        self.assertEqual(self.outcome(pool, losses=3, quarantined=True, in_lane=1), Death.RETRY)
+        self.assertEqual(self.outcome(pool, losses=4, quarantined=True, in_lane=2), Death.POISON)
+
+    @override_settings(FAIRQUEUE=fq(POISON_PILL_LIMIT=3))
+    def test_without_the_lane_the_poison_pill_limit_applies(self) -> None:
+        pool = PoolPolicy(quarantine_after_losses=0)
+        self.assertEqual(self.outcome(pool, losses=2), Death.RETRY)
+        self.assertEqual(self.outcome(pool, losses=3), Death.POISON)
