@@ -160,9 +160,13 @@ class ScaleDownTests(QuarantineBase):
         # A scale-down: the worker is stopped with SIGTERM while its jobs run; the short one
         # ends within the grace period, the long ones are handed back when it ends.
         _, key = make_tenant("scaled")
-        leaving = WorkerProcess(slots=3, name="leaving", FAIRQUEUE_SHUTDOWN_GRACE_SECONDS="2", **LEASE).start()
+        # The grace period outlasts a lease, so the leases are renewed through the drain;
+        # both leave room for a busy machine (a renewal held up too long fences a job, and
+        # that would count as the death this test says never happens).
+        lease = {"FAIRQUEUE_LEASE_SECONDS": "2"}
+        leaving = WorkerProcess(slots=3, name="leaving", FAIRQUEUE_SHUTDOWN_GRACE_SECONDS="3", **lease).start()
         short = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 1.0}})
-        long = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 5.0}}) for _ in range(2)]
+        long = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 8.0}}) for _ in range(2)]
         ids = [short["id"], *(j["id"] for j in long)]
         wait_for(
             lambda: Job.objects.filter(id__in=ids, status=JobStatus.RUNNING).count() == 3,
@@ -171,7 +175,7 @@ class ScaleDownTests(QuarantineBase):
         )
         self.assertEqual(leaving.terminate(timeout=30), 0)
         # Past the dead worker's lease: any death would have been counted by now.
-        with WorkerProcess(slots=3, name="staying", **LEASE):
+        with WorkerProcess(slots=3, name="staying", **lease):
             done = self.wait_all_finished(ids, timeout=60)
         by_id = {str(r.id): r for r in done}
         self.assertEqual([r.status for r in done], [JobStatus.SUCCEEDED] * 3)
@@ -230,7 +234,11 @@ class DemoTests(QuarantineBase):
         # quarantine worker with room. The normal worker dies for real (SIGKILL, as the OOM
         # killer does); a replacement (the deployment's restart) finds it dead and moves it.
         _, key = make_tenant("hungry")
-        lean = {**LEASE, "FAIRQUEUE_DEMO_WORKER_MEMORY_MB": str(LEAN_WORKER_MB)}
+        # A longer lease than the other tests': growing by hundreds of MB on a busy machine
+        # can hold up the renewals of a 1 s lease, and a job fenced that way moves without
+        # the kill this test is about.
+        lease = {"FAIRQUEUE_LEASE_SECONDS": "5"}
+        lean = {**lease, "FAIRQUEUE_DEMO_WORKER_MEMORY_MB": str(LEAN_WORKER_MB)}
         with WorkerProcess(slots=1, name="lean", **lean) as first:
             job = self.submit(key, {"task": "demo.hungry", "args": {"mb": HUNGRY_MB}})
             wait_for(
@@ -238,7 +246,7 @@ class DemoTests(QuarantineBase):
             )
         with WorkerProcess(slots=1, name="lean2", **lean):
             wait_for(lambda: self.row(job).quarantined, timeout=30, message="the move to quarantine")
-            with WorkerProcess(slots=1, name="roomy", quarantine=True, **LEASE) as roomy:
+            with WorkerProcess(slots=1, name="roomy", quarantine=True, **lease) as roomy:
                 wait_for(lambda: self.row(job).status == JobStatus.SUCCEEDED, timeout=60, message="run in quarantine")
         row = self.row(job)
         self.assertEqual((row.worker, row.attempts, row.worker_losses), (roomy.hostname, 2, 1))
