@@ -36,6 +36,7 @@ from celery.worker.request import Request
 
 log = logging.getLogger("fairqueue.jobs.task_events")
 
+TASK_GROUP = "task"  # the event group of task-* events, which `-E` and enable_events turn on
 # Celery's own cap on the argument reprs a message carries (celery.app.amqp's argsrepr_maxsize).
 REPR_MAXSIZE = 1024
 
@@ -85,8 +86,18 @@ def slot(request_id: str | None) -> Iterator[None]:
             _running.pop(request_id, None)
 
 
-def _send(event_type: str, **fields: Any) -> None:
+def _dispatcher() -> Any:
+    """The worker's event dispatcher while it sends task events, else None (then a run
+    costs no repr and no event: Celery drops them the same way, by group)."""
     dispatcher = getattr(_consumer, "event_dispatcher", None)
+    if dispatcher is None or not dispatcher.enabled:
+        return None
+    groups = dispatcher.groups
+    return dispatcher if not groups or TASK_GROUP in groups else None
+
+
+def _send(event_type: str, **fields: Any) -> None:
+    dispatcher = _dispatcher()
     if dispatcher is None:
         return
     try:
@@ -105,6 +116,8 @@ def run_started(*, job_id: str, task: str, tenant: str, sub_tenant: str, attempt
     request_id = getattr(_slot, "request_id", None)
     if request_id is not None:
         _running[request_id] = run
+    if _dispatcher() is None:
+        return
     _send(
         "task-received",
         uuid=job_id,
@@ -128,6 +141,8 @@ def _run_ended() -> None:
 
 def run_succeeded(*, job_id: str, result: Any, runtime: float) -> None:
     _run_ended()
+    if _dispatcher() is None:
+        return
     _send("task-succeeded", uuid=job_id, result=saferepr(result, REPR_MAXSIZE), runtime=runtime)
 
 
