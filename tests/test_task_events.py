@@ -58,16 +58,13 @@ class CeleryEvents:
         """Listen, and return once the receiver hears events (its queue is bound)."""
         self._thread.start()
         probe = uuid.uuid4().hex
-        dispatcher = app.events.Dispatcher(app.connection_for_write())
+        with app.connection_for_write() as conn, app.events.Dispatcher(conn) as dispatcher:
 
-        def heard() -> bool:
-            dispatcher.send(PROBE_EVENT, probe=probe)
-            return any(e.get("probe") == probe for e in self.all())
+            def heard() -> bool:
+                dispatcher.send(PROBE_EVENT, probe=probe)
+                return any(e.get("probe") == probe for e in self.all())
 
-        try:
             wait_for(heard, timeout=EVENT_TIMEOUT_SECONDS, interval=0.2, message="the receiver to hear a probe")
-        finally:
-            dispatcher.close()
         return self
 
     def stop(self) -> None:
