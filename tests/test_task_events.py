@@ -92,6 +92,13 @@ class CeleryEvents:
             message="the worker's next heartbeats",
         )
 
+    def state(self) -> Any:
+        """Celery's own picture of the cluster built from these events, the one Flower keeps."""
+        state = app.events.State()
+        for event in self.all():
+            state.event(event)
+        return state
+
     def heartbeats(self, hostname: str) -> int:
         return sum(1 for e in self.all() if e["type"] == "worker-heartbeat" and e.get("hostname") == hostname)
 
@@ -155,6 +162,12 @@ class CeleryEventsTests(E2EBase):
         self.assertNotIn(RUN_TASK_NAME, {e.get("name") for e in seen})
         succeeded = [e for e in seen if e["type"] == "task-succeeded"]
         self.assertTrue(all(e["runtime"] > 0 and "'attempt': 1" in e["result"] for e in succeeded))
+        state = self.events.state()
+        self.assertEqual(state.task_types(), [TASK], "Flower's task names")
+        self.assertEqual(state.task_count, len(pulled + chain))
+        for job_id in pulled + chain:
+            task = state.tasks[job_id]
+            self.assertEqual((task.name, task.state, task.worker.hostname), (TASK, "SUCCESS", worker.hostname))
 
     def test_a_retried_job_appears_once_per_run_and_a_failed_one_as_failed(self) -> None:
         _, key = make_tenant("evflaky", floor=2)
@@ -178,6 +191,9 @@ class CeleryEventsTests(E2EBase):
         self.assert_one_run(failed, tenant="evflaky", hostname=worker.hostname, end="task-failed")
         self.assertIn("PermanentError", self.events.of(failed)[-1]["exception"])
         self.assertIn("Traceback", self.events.of(failed)[-1]["traceback"])
+        state = self.events.state()
+        self.assertEqual((state.tasks[retried].state, state.tasks[retried].retries), ("SUCCESS", 1))
+        self.assertEqual((state.tasks[failed].state, state.tasks[failed].name), ("FAILURE", TASK))
 
     def test_task_events_turned_on_by_remote_control_as_flower_does(self) -> None:
         _, key = make_tenant("evremote", floor=2)
