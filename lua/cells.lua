@@ -22,7 +22,18 @@
 -- CHANGES_KEPT cells (checked every TRIM_EVERY versions) the oldest leave the log;
 -- prefix.."trimmed" is then the newest version that left it (a reader that kept an older
 -- one reads everything).
--- Returns the number of operations applied.
+-- Checks may come first, before any operation; all are decided before anything is written,
+-- and one that fails refuses the whole call (nothing applied):
+--   "quota" name n limit k cell1..cellk  the jobs counted in these cells plus n stay <= limit
+--   "guard" name n exempt k cell1..cellk  the same against the memory guard's cap
+--                                        (prefix.."guard", set while the guard is on), unless
+--                                        exempt is "1"
+--   "rate" name n rate burst             a token bucket of `burst` tokens refilled at `rate`
+--                                        per second (prefix.."rate:"..name): taken when it
+--                                        holds min(n, burst) tokens (a bulk past the burst
+--                                        leaves it in debt), else refused
+-- Returns the number of operations applied, or a refusal {check, name, count, cap} (rate:
+-- {"rate", name, seconds until the bucket holds enough, as a string}).
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
@@ -64,6 +75,48 @@ local function leave(job, cells, keep)
 end
 
 local i, applied = 1, 0
+local function counted(k, at)
+  local total = 0
+  if k == 0 then return total end
+  local cells = {}
+  for c = 1, k do cells[c] = ARGV[at + c - 1] end
+  local got = redis.call('HMGET', summary, unpack(cells))
+  for c = 1, k do
+    if got[c] then total = total + tonumber(string.match(got[c], '^(%d+)')) end
+  end
+  return total
+end
+local bucket -- the rate check's, taken once every check passed
+while ARGV[i] == 'quota' or ARGV[i] == 'guard' or ARGV[i] == 'rate' do
+  local check, name, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if check == 'rate' then
+    local rate, burst = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
+    local key = prefix .. 'rate:' .. name
+    local t = redis.call('TIME')
+    local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+    local got = redis.call('HMGET', key, 'tokens', 'at')
+    local tokens = burst
+    if got[1] then tokens = math.min(burst, tonumber(got[1]) + (now - tonumber(got[2])) * rate) end
+    local need = math.min(n, burst)
+    if tokens < need then return {'rate', name, string.format('%.3f', (need - tokens) / rate)} end
+    bucket = {key, tokens - n, now, math.ceil((burst - (tokens - n)) / rate * 1000) + 1000}
+    i = i + 5
+  else
+    local limit, k = ARGV[i + 3], tonumber(ARGV[i + 4])
+    local count = counted(k, i + 5)
+    if check == 'quota' then
+      if count + n > tonumber(limit) then return {'quota', name, count, tonumber(limit)} end
+    elseif limit ~= '1' then -- a guard: `limit` says whether the jobs are exempt
+      local cap = redis.call('GET', prefix .. 'guard')
+      if cap and count + n > tonumber(cap) then return {'guard', name, count, tonumber(cap)} end
+    end
+    i = i + 5 + k
+  end
+end
+if bucket then
+  redis.call('HSET', bucket[1], 'tokens', string.format('%.6f', bucket[2]), 'at', string.format('%.6f', bucket[3]))
+  redis.call('PEXPIRE', bucket[1], bucket[4])
+end
 while i <= #ARGV do
   local op, job = ARGV[i], ARGV[i + 1]
   local old = redis.call('HGET', of, job) or ''

@@ -173,7 +173,10 @@ def error_response(
 
 @api.exception_handler(JobError)
 def _job_error(request: HttpRequest, exc: JobError) -> HttpResponse:
-    return error_response(request, exc.status, exc.code, exc.message, exc.field)
+    response = error_response(request, exc.status, exc.code, exc.message, exc.field)
+    if exc.retry_after is not None:
+        response["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 @api.exception_handler(AuthenticationError)
@@ -483,6 +486,15 @@ class ResourceLimitOut(Schema):
     refusals: int
 
 
+class QuotasOut(Schema):
+    backlog_quota: int = Field(..., description="Most jobs that may wait at once (not batch); past it a submit is 429.")
+    waiting: int = Field(..., description="Jobs waiting now (queued or parked), not batch.")
+    batch_backlog_quota: int = Field(..., description="Most batch-lane jobs that may wait at once.")
+    batch_waiting: int = Field(..., description="Batch-lane jobs waiting now.")
+    submit_rate: float = Field(..., description="Jobs per second the tenant may submit (0: no limit).")
+    submit_burst: int = Field(..., description="Jobs it may submit at once after a pause (the token bucket's size).")
+
+
 class LimitsOut(Schema):
     tenant: str
     shard: str
@@ -509,6 +521,7 @@ class LimitsOut(Schema):
     mean_job_seconds: float
     pool: PoolOut
     resources: list[ResourceLimitOut] = Field(default_factory=list, description="Every outside resource's limits.")
+    quotas: QuotasOut | None = Field(None, description="Backlog quotas and the submission rate (429 past them).")
 
 
 # --- endpoints ----------------------------------------------------------------------------------

@@ -154,6 +154,80 @@ def entry_done(entry: Entry, replies: Sequence[Any]) -> None:
         _safely("place", entry.ops)
 
 
+@dataclass(frozen=True)
+class Check:
+    """A check lua/cells.lua decides before a call's entries, all or none: "quota" (the jobs
+    waiting in `cells` plus `n` stay within `limit`), "guard" (the same against the memory
+    guard's cap; `limit` "1" exempts the jobs) or "rate" (`limit` jobs/s, a bucket of `burst`)."""
+
+    check: str
+    name: str
+    n: int
+    limit: float
+    cells: tuple[str, ...] = ()
+    burst: int = 0
+
+    def args(self) -> list[Any]:
+        if self.check == "rate":
+            return ["rate", self.name, self.n, repr(float(self.limit)), self.burst]
+        return [self.check, self.name, self.n, int(self.limit), len(self.cells), *self.cells]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A check that failed: for "quota" and "guard" the jobs counted and the cap; for
+    "rate" the seconds until the bucket holds enough tokens (`count`)."""
+
+    check: str
+    name: str
+    count: float
+    cap: int
+
+
+def tenant_cells(slug: str, classes: Iterable[str]) -> tuple[str, ...]:
+    """The cells of a tenant's waiting jobs in these classes."""
+    return tuple(tenant_cell(slug, c) for c in sorted(set(classes)))
+
+
+def jobs_enter_checked(
+    jobs: Sequence[Job], *, policy: PolicySnapshot, checks: Sequence[Check], score: str
+) -> Refusal | None:
+    """The jobs start to wait (as `entry_prepare`'s entries, scored `score`: their rows are
+    not written yet), in one script call with `checks` first: when one fails, nothing is
+    entered and its refusal is returned. The count and the entry are one atomic step, so two
+    requests at once cannot both pass a quota that has room for one. Redis errors raise."""
+    ops: list[Any] = [a for c in checks for a in c.args()]
+    for job in jobs:
+        tp = policy.tenants.get(job.tenant.slug)
+        if tp is None:
+            continue
+        cls = job_class(job)
+        ops += ["set", str(job.id), score, 2, shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
+    client = redis_client()
+    command = ["EVALSHA", _SHA, 1, PREFIX, *ops]
+    try:
+        reply = client.execute_command(*command)
+    except redis.exceptions.NoScriptError:
+        client.script_load(_SOURCE)
+        reply = client.execute_command(*command)
+    if not isinstance(reply, list):
+        return None
+    what, name, count, cap = ([*(_text(v) for v in reply), "0"])[:4]
+    return Refusal(what, name, float(count), int(float(cap)))
+
+
+def cells_count(names: Sequence[str]) -> dict[str, int]:
+    """The waiting count of each cell named (one HMGET of the summary)."""
+    if not names:
+        return {}
+    raw = redis_client().hmget(SUMMARY_KEY, list(names))
+    return {n: int(_text(v).split(" ", 1)[0]) if v is not None else 0 for n, v in zip(names, raw, strict=True)}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _safely(what: str, ops: Sequence[list[Any]]) -> None:
     # A cell update never fails the transition it follows: the audit or the rebuild puts
     # the cells right.
