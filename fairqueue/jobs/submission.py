@@ -4,7 +4,9 @@ The row is committed first (the database is the truth); the engine then admits o
 the job in one round trip (fairqueue.jobs.dispatch). Bulk submissions are all valid or
 none is written.
 
-A submit costs one statement (a single INSERT, or one multi-row INSERT for a bulk, in one
+A submit costs one Redis round trip before anything is written (its quotas checked and
+its jobs entered in their cells in one atomic call: fairqueue.jobs.quotas; a 429 past
+them), one statement (a single INSERT, or one multi-row INSERT for a bulk, in one
 transaction), one engine round trip and one broker round trip. The rows are written
 `queued` with `admitted_at` set, which is what an admission records, so an admitted job
 needs no second write: only a parked job is updated (to `parked`). If the admission does
