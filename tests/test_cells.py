@@ -135,7 +135,7 @@ class CellsScriptBulkTests(RedisTestCase):
     def apply(self, prefix: str, ops: list[list[object]], *, one_call: bool) -> None:
         calls = [[a for op in ops for a in op]] if one_call else ops
         for args in calls:
-            self.redis.eval(cells._SOURCE, 1, prefix, *args)
+            self.redis.eval(cells.SOURCE, 1, prefix, *args)
 
     def state(self, prefix: str) -> dict[str, object]:
         out: dict[str, object] = {"summary": self.redis.hgetall(prefix + "summary")}
@@ -352,7 +352,7 @@ class CellsScriptTests(RedisTestCase):
     def apply(self, *calls: list[list[object]]) -> None:
         client = redis_client()
         for ops in calls:
-            client.eval(cells._SOURCE, 1, cells.PREFIX, *(a for op in ops for a in op))
+            client.eval(cells.SOURCE, 1, cells.PREFIX, *(a for op in ops for a in op))
 
     def test_operations_in_one_call_leave_what_one_call_each_leaves(self) -> None:
         self.apply(*[[op] for op in self.OPS])

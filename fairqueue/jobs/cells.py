@@ -64,8 +64,8 @@ AUDIT_OLDEST = 5  # members of each shard cell checked against the database per 
 AUDIT_RECHECK_SECONDS = 10.0
 REBUILD_CHUNK = 5000
 
-_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
-_SHA = hashlib.sha1(_SOURCE.encode()).hexdigest()
+SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
+_SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 
 
 def shard_cell(shard: str, latency_class: str) -> str:
@@ -120,7 +120,7 @@ def _apply(ops: Sequence[list[Any]]) -> None:
         pipe.execute_command(*command)
     results = pipe.execute(raise_on_error=False)
     if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
-        client.script_load(_SOURCE)
+        client.script_load(SOURCE)
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -208,7 +208,7 @@ def jobs_enter_checked(
     try:
         reply = client.execute_command(*command)
     except redis.exceptions.NoScriptError:
-        client.script_load(_SOURCE)
+        client.script_load(SOURCE)
         reply = client.execute_command(*command)
     if not isinstance(reply, list):
         return None
