@@ -13,7 +13,7 @@ from typing import Any
 from django.test import override_settings
 
 from fairqueue.jobs import cells
-from fairqueue.jobs.memory_guard import GUARD_KEY, guard_cap, guard_state, memory_guard_step
+from fairqueue.jobs.memory_guard import GUARD_KEY, guard_cap, guard_state, memory_guard_forget, memory_guard_step
 from fairqueue.jobs.models import Job
 from tenants.models import PoolSettings
 from tenants.policy import policy_invalidate
@@ -184,7 +184,10 @@ class MemoryGuardTests(QuotaTestCase):
         client = self.server.client()
         used = int(client.info("memory")["used_memory"])
         client.config_set("maxmemory", int(used / ratio))
+        memory_guard_forget()
+        self.addCleanup(memory_guard_forget)
         state = memory_guard_step()
+        assert state is not None
         self.assertEqual(state.max_bytes, int(used / ratio))
 
     def test_the_largest_backlogs_are_refused_first_and_floors_are_kept(self) -> None:

@@ -17,6 +17,7 @@ without maxmemory has no guard.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ GUARD_KEY = cells.PREFIX + "guard"  # read by lua/cells.lua ("guard" check)
 # A few duty ticks: the cap lapses this long after the last tick that set it.
 GUARD_TTL_MS = 5000
 GUARD_OFF_PCT = 100.0  # a threshold of 100% never guards
+# The duty reads the memory at most this often (every tick would be four reads a second of
+# a figure that moves slowly), well within GUARD_TTL_MS.
+GUARD_READ_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def engine_memory() -> tuple[int, int]:
 
 
 _view: cells.CellsView | None = None
+_last_step = float("-inf")  # monotonic time of this process's last read
+_set_here = False  # this process set the cap (so lifting it is its to do; others' expire)
 
 
 def _largest_backlog() -> int:
@@ -91,18 +97,26 @@ def _largest_backlog() -> int:
     return max((sum(c.waiting for c in classes.values()) for classes in by_tenant.values()), default=0)
 
 
-def memory_guard_step() -> GuardState:
-    """The duty: read the engine's memory, set the guard's cap (or lift it)."""
+def memory_guard_step() -> GuardState | None:
+    """The duty: read the engine's memory, set the guard's cap (or lift it); at most once per
+    GUARD_READ_SECONDS (None when it did not read now)."""
+    global _last_step, _set_here
+    now = time.monotonic()
+    if now - _last_step < GUARD_READ_SECONDS:
+        return None
+    _last_step = now
     pool = policy_snapshot().pool
     used, maxmemory = engine_memory()
     cap = None
     if maxmemory > 0 and used >= maxmemory * pool.memory_guard_pct / 100:
         cap = guard_cap(used=used, maxmemory=maxmemory, threshold_pct=pool.memory_guard_pct, largest=_largest_backlog())
     client = redis_client()
-    if cap is None:
-        client.delete(GUARD_KEY)
-    else:
+    if cap is not None:
         client.set(GUARD_KEY, cap, px=GUARD_TTL_MS)
+        _set_here = True
+    elif _set_here:
+        client.delete(GUARD_KEY)
+        _set_here = False
     return GuardState(used, maxmemory, pool.memory_guard_pct, cap)
 
 
@@ -112,3 +126,9 @@ def guard_state() -> GuardState:
     used, maxmemory = engine_memory()
     raw = redis_client().get(GUARD_KEY)
     return GuardState(used, maxmemory, pool.memory_guard_pct, int(raw) if raw is not None else None)
+
+
+def memory_guard_forget() -> None:
+    """Read the memory at the next step whenever it comes (tests, which change maxmemory)."""
+    global _last_step
+    _last_step = float("-inf")
