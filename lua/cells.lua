@@ -2,7 +2,10 @@
 -- (fairqueue.jobs.cells). A cell is an opaque name; each has a sorted set of its job ids
 -- scored by the time it started waiting (fairqueue.jobs.cells.wait_score), and the summary
 -- hash keeps each cell's "<count> <oldest score>" in one field, so a reader gets every
--- cell's figures with one HGETALL, whatever the backlog.
+-- cell's figures with one HGETALL, whatever the backlog. A cell named "p|..." (a tenant's
+-- parked jobs) is only counted: its jobs are in no sorted set (one would cost a parked job
+-- a third member, and its oldest is read by nobody), its count is kept in prefix.."counted"
+-- and its summary is "<count>" alone.
 -- All keys share the {cells} hash tag (one slot): the cell sets are named from KEYS[1]'s
 -- prefix inside the script, which Redis Cluster allows within one slot.
 -- KEYS[1]  prefix of every key, e.g. "fq:{cells}:"
@@ -37,6 +40,7 @@
 local prefix = KEYS[1]
 local summary = prefix .. 'summary'
 local of = prefix .. 'of'
+local counted = prefix .. 'counted'
 local CHANGES_KEPT = 200000
 local TRIM_EVERY = 1000
 local changed, changed_list = {}, {}
@@ -51,25 +55,63 @@ local function refresh(cell)
   end
 end
 
--- Write the summary of every cell the call changed: "<count> <oldest score>", or none.
+local function is_counted(cell)
+  return string.sub(cell, 1, 2) == 'p|'
+end
+
+-- Write the summary of every cell the call changed: "<count> <oldest score>" ("<count>"
+-- for a counted cell), or none.
 local function summarise()
   for k = 1, #changed_list do
     local cell = changed_list[k]
-    local z = prefix .. 'z:' .. cell
-    local n = redis.call('ZCARD', z)
-    if n == 0 then
-      redis.call('HDEL', summary, cell)
+    if is_counted(cell) then
+      local n = tonumber(redis.call('HGET', counted, cell) or '0')
+      if n <= 0 then
+        redis.call('HDEL', summary, cell)
+        redis.call('HDEL', counted, cell)
+      else
+        redis.call('HSET', summary, cell, n)
+      end
     else
-      local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-      redis.call('HSET', summary, cell, n .. ' ' .. first[2])
+      local z = prefix .. 'z:' .. cell
+      local n = redis.call('ZCARD', z)
+      if n == 0 then
+        redis.call('HDEL', summary, cell)
+      else
+        local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
+        redis.call('HSET', summary, cell, n .. ' ' .. first[2])
+      end
     end
   end
+end
+
+-- The job enters `cell` (`had`: the cells it is in, as a set): true if it was not in it.
+local function enter(job, cell, score, had)
+  if is_counted(cell) then
+    if had[cell] then return false end
+    redis.call('HINCRBY', counted, cell, 1)
+  elseif redis.call('ZADD', prefix .. 'z:' .. cell, 'NX', score, job) == 0 then
+    return false
+  end
+  refresh(cell)
+  return true
+end
+
+local function cells_of(old)
+  local had = {}
+  for cell in string.gmatch(old, '[^\2]+') do had[cell] = true end
+  return had
 end
 
 local function leave(job, cells, keep)
   for cell in string.gmatch(cells, '[^\2]+') do
     if not keep(cell) then
-      if redis.call('ZREM', prefix .. 'z:' .. cell, job) == 1 then refresh(cell) end
+      if is_counted(cell) then
+        redis.call('HINCRBY', counted, cell, -1)
+        refresh(cell)
+      elseif redis.call('ZREM', prefix .. 'z:' .. cell, job) == 1 then
+        refresh(cell)
+      end
     end
   end
 end
@@ -129,9 +171,10 @@ while i <= #ARGV do
         want[cell] = true
         list[#list + 1] = cell
       end
+      local had = cells_of(old)
       leave(job, old, function(cell) return want[cell] end)
       for _, cell in ipairs(list) do
-        if redis.call('ZADD', prefix .. 'z:' .. cell, 'NX', score, job) == 1 then refresh(cell) end
+        enter(job, cell, score, had)
       end
       redis.call('HSET', of, job, table.concat(list, '\2'))
     end
@@ -139,10 +182,7 @@ while i <= #ARGV do
   elseif op == 'park' then
     local score, cell = ARGV[i + 2], ARGV[i + 3]
     if old ~= '' then
-      if redis.call('ZADD', prefix .. 'z:' .. cell, 'NX', score, job) == 1 then
-        refresh(cell)
-        redis.call('HSET', of, job, old .. '\2' .. cell)
-      end
+      if enter(job, cell, score, cells_of(old)) then redis.call('HSET', of, job, old .. '\2' .. cell) end
     end
     i = i + 4
   elseif op == 'del' then
@@ -152,7 +192,7 @@ while i <= #ARGV do
   elseif op == 'unpark' then
     local kept = {}
     leave(job, old, function(cell)
-      if string.sub(cell, 1, 2) == 'p|' then return false end
+      if is_counted(cell) then return false end
       kept[#kept + 1] = cell
       return true
     end)

@@ -3,7 +3,9 @@ Redis as jobs move, so the dashboard and /metrics read every cell's count and ol
 in one round trip, whatever the backlog (lua/cells.lua keeps the summaries).
 
 Cell names (opaque to the script): "c|<shard>|<class>" every waiting job of a shard and
-class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked.
+class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked (a
+count alone: no oldest job, and no sorted set of its jobs, which would cost every parked
+job a third member).
 The class of a job in the batch lane is BATCH_CLASS; the shard is the tenant's current
 one. Waiting means `queued` or `parked`: a `scheduled` or `retrying` job is in no cell
 until it is due and promoted (fairqueue.jobs.due), and it waits from its `due_at` (the
@@ -315,8 +317,8 @@ _EMPTY = Cell(0, None)
 
 
 def _cell(value: str) -> Cell:
-    n, oldest = value.split(" ", 1)
-    return Cell(int(n), float(oldest))
+    n, _, oldest = value.partition(" ")
+    return Cell(int(n), float(oldest) if oldest else None)
 
 
 def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> CellsView:
@@ -333,8 +335,8 @@ def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> Cells
     out: dict[str, Cell] = {}
     tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
     for name, value in raw.items():
-        n, oldest = value.split(" ", 1)
-        cell = out[name] = Cell(int(n), float(oldest))
+        n, _, oldest = value.partition(" ")
+        cell = out[name] = Cell(int(n), float(oldest) if oldest else None)
         kind, owner, cls = name.split("|", 2)
         by_tenant = tenants.get(kind)
         if by_tenant is not None:
