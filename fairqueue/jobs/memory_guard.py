@@ -80,9 +80,12 @@ def guard_cap(*, used: int, maxmemory: int, threshold_pct: float, largest: int) 
 
 
 def engine_memory() -> tuple[int, int]:
-    """(used_memory, maxmemory) of the engine's Redis."""
-    info = redis_client().info("memory")
-    return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+    """(used_memory, maxmemory) of the engine's Redis; of a Redis Cluster, those of the
+    node nearest its maxmemory (the first to refuse writes)."""
+    info: dict[str, Any] = redis_client().info("memory")  # type: ignore[assignment]  # sync client
+    nodes = [v for v in info.values() if isinstance(v, dict)] or [info]
+    figures = [(int(n.get("used_memory", 0)), int(n.get("maxmemory", 0))) for n in nodes]
+    return max(figures, key=lambda f: f[0] / f[1] if f[1] else 0.0)
 
 
 _view: cells.CellsView | None = None
