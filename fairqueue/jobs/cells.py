@@ -191,12 +191,10 @@ def tenant_cells(slug: str, classes: Iterable[str]) -> tuple[str, ...]:
     return tuple(tenant_cell(slug, c) for c in sorted(set(classes)))
 
 
-def jobs_enter_checked(
-    jobs: Sequence[Job], *, policy: PolicySnapshot, checks: Sequence[Check], score: str
-) -> Refusal | None:
-    """The jobs start to wait (as `entry_prepare`'s entries, scored `score`: their rows are
-    not written yet), in one script call with `checks` first: when one fails, nothing is
-    entered and its refusal is returned. The count and the entry are one atomic step, so two
+def jobs_enter_checked(jobs: Sequence[Job], *, policy: PolicySnapshot, checks: Sequence[Check]) -> Refusal | None:
+    """The jobs start to wait (as `entry_prepare`'s entries; their rows are not written yet,
+    but their submit time is set), in one script call with `checks` first: when one fails,
+    nothing is entered and its refusal is returned. The count and the entry are one atomic step, so two
     requests at once cannot both pass a quota that has room for one. Redis errors raise."""
     ops: list[Any] = [a for c in checks for a in c.args()]
     for job in jobs:
@@ -204,7 +202,7 @@ def jobs_enter_checked(
         if tp is None:
             continue
         cls = job_class(job)
-        ops += ["set", str(job.id), score, 2, shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
+        ops += ["set", str(job.id), wait_score(job), 2, shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
     client = redis_client()
     command = ["EVALSHA", _SHA, 1, PREFIX, *ops]
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from datetime import datetime
 
 import redis
 
@@ -47,7 +46,7 @@ def _lanes(policy: PolicySnapshot) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(sorted(policy.classes)), (cells.BATCH_CLASS,)
 
 
-def backlog_enter(*, tp: TenantPolicy, policy: PolicySnapshot, jobs: Sequence[Job], at: datetime) -> bool:
+def backlog_enter(*, tp: TenantPolicy, policy: PolicySnapshot, jobs: Sequence[Job]) -> bool:
     """Check the tenant's quotas, the memory guard and its submission rate for `jobs` (all
     of one request) and enter those due now in their cells, all in one atomic call; raise
     JobError 429 when a check fails (nothing entered). True when the jobs were entered
@@ -71,15 +70,12 @@ def backlog_enter(*, tp: TenantPolicy, policy: PolicySnapshot, jobs: Sequence[Jo
     guard = cells.Check("guard", "memory_guard", len(due), 0, everything) if due else None
     if rate > 0:
         checks.append(cells.Check("rate", tp.slug, len(jobs), rate, burst=policy.pool.submit_burst))
-    score = f"{at.timestamp():.6f}"  # the rows' submitted_at (as cells.wait_score)
     try:
-        refusal = cells.jobs_enter_checked(
-            due, policy=policy, checks=[*checks, *([guard] if guard else [])], score=score
-        )
+        refusal = cells.jobs_enter_checked(due, policy=policy, checks=[*checks, *([guard] if guard else [])])
         if refusal is not None and refusal.check == "guard" and guard is not None and _below_floor(tp):
             # A tenant below its floor is admitted under the guard: its floor is what it can count on.
             exempt = cells.Check("guard", "memory_guard", len(due), 1, everything)
-            refusal = cells.jobs_enter_checked(due, policy=policy, checks=[*checks, exempt], score=score)
+            refusal = cells.jobs_enter_checked(due, policy=policy, checks=[*checks, exempt])
     except redis.RedisError:
         log.warning("Redis unreachable: %d job(s) of %s accepted without their quota checked", len(jobs), tp.slug)
         return False

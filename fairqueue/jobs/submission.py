@@ -27,7 +27,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
@@ -319,8 +319,12 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
         _offload_large_args(fresh)
         accepted_at = timezone.now()
         steps = tl.line(tl.SUBMITTED, at=accepted_at) + tl.line(tl.ADMITTED, at=accepted_at)
-        for job in fresh:
-            job.submitted_at = accepted_at  # the cells' wait score, entered before the row
+        for n, job in enumerate(fresh):
+            # Set here, not by the database: the jobs enter their cells (scored by it) before
+            # their rows are written. A bulk's jobs a microsecond apart keep their order in
+            # whatever orders by it (a rebuild's re-entry, the pending sweep), as rows
+            # stamped one by one did.
+            job.submitted_at = accepted_at + timedelta(microseconds=n)
             if job.status == JobStatus.QUEUED:
                 job.admitted_at = accepted_at  # see the module docstring
                 job.timeline = steps
@@ -330,7 +334,7 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
         # The quotas are checked and the jobs enter their cells in one atomic call, before
         # anything is written: a refusal (429) writes nothing (fairqueue.jobs.quotas).
         try:
-            entered = tp is not None and backlog_enter(tp=tp, policy=policy, jobs=fresh, at=accepted_at)
+            entered = tp is not None and backlog_enter(tp=tp, policy=policy, jobs=fresh)
         except BaseException:
             _discard_offloaded(fresh)
             raise
