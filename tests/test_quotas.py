@@ -8,15 +8,21 @@ submitted counts against its tenant's backlog until the test ends.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+from django.db import connection
 from django.test import override_settings
 
 from fairqueue.jobs import cells
+from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.memory_guard import GUARD_KEY, guard_cap, guard_state, memory_guard_forget, memory_guard_step
 from fairqueue.jobs.models import Job
+from fairqueue.jobs.submission import JobRequest, job_submit_bulk
 from tenants.models import PoolSettings
 from tenants.policy import policy_invalidate
+from tests.base import RedisTransactionTestCase
+from tests.factories import make_tenant
 from tests.redis_server import RedisServer
 from tests.test_jobs_api import BULK, JOBS, ApiTestCase, sleep_job
 
@@ -235,3 +241,36 @@ class MemoryGuardTests(QuotaTestCase):
         self.assertFalse(memory["guard_active"])
         self.assertGreater(memory["headroom_bytes"], 0)
         self.assertAlmostEqual(memory["used_ratio"], 0.5, delta=0.05)
+
+
+class ConcurrentBulkTests(RedisTransactionTestCase):
+    """Two bulks at once against a quota with room for one: the count and the entry are one
+    atomic step, so exactly one is taken, whole, whatever the interleaving."""
+
+    def test_two_bulks_at_once_cannot_both_pass_a_quota_with_room_for_one(self) -> None:
+        policy_invalidate()
+        tenant, _ = make_tenant("race-t", backlog_quota=10)
+        policy_invalidate()
+        outcomes: list[str] = []
+        start = threading.Barrier(2)
+
+        def submit() -> None:
+            try:
+                start.wait(timeout=30)
+                job_submit_bulk(tenant=tenant, reqs=[JobRequest(task="demo.sleep", args={"seconds": 0.1})] * 6)
+                outcomes.append("taken")
+            except JobError as exc:
+                outcomes.append(f"{exc.status} {exc.code}")
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=submit) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertEqual(sorted(outcomes), ["429 backlog_quota_exceeded", "taken"])
+        self.assertEqual(Job.objects.filter(tenant=tenant).count(), 6)
+        self.assertEqual(
+            cells.cells_count([cells.tenant_cell("race-t", "default")])[cells.tenant_cell("race-t", "default")], 6
+        )
