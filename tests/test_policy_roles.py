@@ -80,6 +80,11 @@ class RolesTestCase(RedisTestCase):
                 "quarantine_after_losses": "1",
                 "quarantine_poison_losses": "2",
                 "quarantine_slots": "1",
+                "backlog_quota": "100000",
+                "batch_backlog_quota": "1000000",
+                "submit_rate": "0",
+                "submit_burst": "1000",
+                "memory_guard_pct": "80",
             },
         }
 

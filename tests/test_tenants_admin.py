@@ -154,6 +154,11 @@ class PagesTests(AdminTestCase):
                     "quarantine_after_losses": "1",
                     "quarantine_poison_losses": "2",
                     "quarantine_slots": "1",
+                    "backlog_quota": "100000",
+                    "batch_backlog_quota": "1000000",
+                    "submit_rate": "0",
+                    "submit_burst": "1000",
+                    "memory_guard_pct": "80",
                 },
                 "f_max",
                 2.0,
@@ -274,6 +279,11 @@ class TenantValidationTests(AdminTestCase):
             "quarantine_after_losses": "1",
             "quarantine_poison_losses": "2",
             "quarantine_slots": "1",
+            "backlog_quota": "100000",
+            "batch_backlog_quota": "1000000",
+            "submit_rate": "0",
+            "submit_burst": "1000",
+            "memory_guard_pct": "80",
         }
         response = self.client.post(reverse("admin:tenants_poolsettings_change", args=[pool.pk]), data)
         self.assert_form_error(response, "f_min", "must not exceed f_max")

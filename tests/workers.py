@@ -67,14 +67,17 @@ class WorkerProcess:
         slots: int = 4,
         name: str | None = None,
         argv_prefix: Sequence[str] = (),
+        options: Sequence[str] = (),
         quarantine: bool = False,
         **env: str,
     ) -> None:
         """`argv_prefix` runs the worker through another command (e.g. in a network namespace);
-        `quarantine`: a worker of the quarantine lane only (`manage.py worker --quarantine`)."""
+        `options` are more of `manage.py worker`'s (`--events`, say); `quarantine`: a worker of
+        the quarantine lane only (`manage.py worker --quarantine`)."""
         self.slots = slots
         self.quarantine = quarantine
         self.argv_prefix = list(argv_prefix)
+        self.options = list(options)
         self.hostname = f"{name or 'test'}-{uuid.uuid4().hex[:6]}@localhost"
         self.env = worker_env(**env)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -87,6 +90,7 @@ class WorkerProcess:
             [
                 *self.argv_prefix,
                 *worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info"),
+                *self.options,
                 *(["--quarantine"] if self.quarantine else []),
             ],
             cwd=ROOT,

@@ -25,6 +25,9 @@ class Command(BaseCommand):
         parser.add_argument("--loglevel", "-l", default="warning")
         parser.add_argument("--no-batch", action="store_true", help="Do not consume the batch lane.")
         parser.add_argument(
+            "--events", "-E", action="store_true", help="Send task events (Flower, celery-exporter), as celery's -E."
+        )
+        parser.add_argument(
             "--quarantine",
             action="store_true",
             help=f"Consume only the quarantine lane ({QUARANTINE_QUEUE}): jobs whose workers died under them. "
@@ -36,6 +39,8 @@ class Command(BaseCommand):
         for option in ("concurrency", "pool", "hostname"):
             if opts[option] is not None:
                 argv.append(f"--{option}={opts[option]}")
+        if opts["events"]:
+            argv.append("--task-events")
         if opts["quarantine"]:
             if opts["no_batch"]:
                 raise CommandError("--quarantine consumes only the quarantine lane: --no-batch says nothing more")

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0013_job_list_filter_indexes"),
+        ("jobs", "0014_submitted_at_set_by_submit"),
     ]
 
     operations = [
