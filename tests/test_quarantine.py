@@ -14,6 +14,7 @@ from django.test import Client, SimpleTestCase, override_settings
 from django.utils import timezone
 from kombu import Connection, Queue
 
+from dashboard.snapshot import snapshot_build
 from fairqueue.celery import app
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import QUARANTINE_KEY
@@ -98,6 +99,12 @@ class MoveTests(QuarantineBase):
         row = self.row(job)
         self.assertEqual((row.status in (JobStatus.QUEUED, JobStatus.PARKED), row.attempts), (True, 1), row.status)
         self.assertEqual(self.lane_backlog(), 1, "its delivery waits in the lane's queue")
+        # The dashboard's snapshot and /metrics show it waiting in the lane.
+        lane = snapshot_build(with_history=False)["quarantine"]
+        self.assertEqual((lane["slots"], lane["waiting"]), (1, 1), lane)
+        self.assertGreater(lane["oldest_wait_s"], 0)
+        metrics = Client().get("/metrics").content.decode()
+        self.assertIn("fairqueue_quarantine_waiting 1.0", metrics)
         with WorkerProcess(slots=1, name="quarantine", quarantine=True, **LEASE) as quarantine:
             wait_for(lambda: self.row(job).status == JobStatus.SUCCEEDED, timeout=30, message="run in quarantine")
         row = self.row(job)

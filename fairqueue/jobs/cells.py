@@ -5,8 +5,8 @@ in one round trip, whatever the backlog (lua/cells.lua keeps the summaries).
 Cell names (opaque to the script): "c|<shard>|<class>" every waiting job of a shard and
 class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked (a
 count alone: no oldest job, and no sorted set of its jobs, which would cost every parked
-job a third member), "q|<shard>" the waiting jobs of the shard's quarantine lane
-(fairqueue.jobs.quarantine).
+job a third member), "q|<shard>|quarantine" the waiting jobs of the shard's quarantine
+lane (fairqueue.jobs.quarantine).
 The class of a job in the batch lane is BATCH_CLASS; the shard is the tenant's current
 one. Waiting means `queued` or `parked`: a `scheduled` or `retrying` job is in no cell
 until it is due and promoted (fairqueue.jobs.due), and it waits from its `due_at` (the
@@ -83,8 +83,11 @@ def parked_cell(slug: str, latency_class: str) -> str:
     return f"p|{slug}|{latency_class}"
 
 
+QUARANTINE_CLASS = "quarantine"  # the lane's cells' third part (every cell name has three)
+
+
 def quarantine_cell(shard: str) -> str:
-    return f"q|{shard}"
+    return f"q|{shard}|{QUARANTINE_CLASS}"
 
 
 def job_class(job: Job) -> str:
