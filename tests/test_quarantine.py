@@ -136,6 +136,8 @@ class MoveTests(QuarantineBase):
     def test_the_lane_runs_at_most_its_cap_and_a_job_waiting_for_it_names_the_lane(self) -> None:
         pool_set(quarantine_slots=1)
         _, key = make_tenant("crowded")
+        limits = self.client.get("/api/v1/limits", HTTP_AUTHORIZATION=f"Bearer {key}")
+        self.assertEqual(limits.json()["pool"]["quarantine_slots"], 1, limits.content)
         jobs = self.quarantine_by_kill(key, count=2, seconds=2.0)
         with WorkerProcess(slots=2, name="quarantine", quarantine=True, **LEASE):
 
@@ -276,6 +278,11 @@ class DeathRuleTests(SimpleTestCase):
         self.assertEqual(self.outcome(pool, losses=2), Death.QUARANTINE)
         self.assertEqual(self.outcome(pool, losses=3, quarantined=True, in_lane=1), Death.RETRY)
         self.assertEqual(self.outcome(pool, losses=4, quarantined=True, in_lane=2), Death.POISON)
+
+    def test_a_long_hostname_still_fits_the_reason(self) -> None:
+        job = Job(worker_losses=1, worker="w" * 200)
+        reason = death_outcome(job, PoolPolicy()).reason
+        self.assertEqual(len(reason), Job._meta.get_field("quarantine_reason").max_length)
 
     @override_settings(FAIRQUEUE=fq(POISON_PILL_LIMIT=3))
     def test_without_the_lane_the_poison_pill_limit_applies(self) -> None:

@@ -29,6 +29,7 @@ from tenants.policy import PoolPolicy
 
 WORKER_LOST = "worker_lost"
 LANE = "quarantine"  # the lane's name where the API and the dashboard show it
+REASON_MAX = Job._meta.get_field("quarantine_reason").max_length or 0
 
 
 class Death(enum.Enum):
@@ -60,10 +61,9 @@ def death_outcome(job: Job, pool: PoolPolicy) -> DeathOutcome:
         return DeathOutcome(Death.RETRY, "")
     if lane_enabled(pool):
         if job.worker_losses >= pool.quarantine_after_losses:
-            return DeathOutcome(
-                Death.QUARANTINE,
-                f"worker died {job.worker_losses} time(s) running it (last on {job.worker or 'an unknown worker'})",
-            )
+            reason = f"worker died {job.worker_losses} time(s) running it (last on {job.worker or 'an unknown worker'})"
+            # A hostname may be as long as the reason's column: cut to fit, never a failed write.
+            return DeathOutcome(Death.QUARANTINE, reason[:REASON_MAX])
         return DeathOutcome(Death.RETRY, "")
     if job.worker_losses >= int(settings.FAIRQUEUE["POISON_PILL_LIMIT"]):
         return DeathOutcome(
