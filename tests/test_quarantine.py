@@ -29,7 +29,11 @@ from tests.rabbitmq import RabbitMQBrokerMixin
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
-LEASE = {"FAIRQUEUE_LEASE_SECONDS": "1"}
+# Short, so a death shows soon; not shorter: on a busy machine a renewal held up past a
+# 1 s lease fences a job that then counts a death of its own, and moves (or fails) it
+# where a test did not expect it.
+LEASE_SECONDS = 3.0
+LEASE = {"FAIRQUEUE_LEASE_SECONDS": str(LEASE_SECONDS)}
 # Long enough that a job is surely still running when its worker is killed or stopped.
 LONG_JOB_SECONDS = 30.0
 # The demo task's peak, past the lean worker's limit (a worker process is about 100 MB).
@@ -41,7 +45,7 @@ def fq(**overrides: object) -> dict[str, object]:
     return {**settings.FAIRQUEUE, **overrides}
 
 
-@override_settings(FAIRQUEUE=fq(LEASE_SECONDS=1.0))
+@override_settings(FAIRQUEUE=fq(LEASE_SECONDS=LEASE_SECONDS))
 class QuarantineBase(E2EBase):
     def setUp(self) -> None:
         super().setUp()
