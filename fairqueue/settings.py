@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "ninja",  # the API docs' Swagger UI from ninja's bundled static files, not a CDN
     "channels",
     "simple_history",  # who changed policy, old -> new (tenants/history.py)
+    "fairqueue",
     "tenants",
     "fairqueue.jobs",
     "webhooks",
@@ -90,7 +91,7 @@ ASGI_APPLICATION = "fairqueue.asgi.application"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [

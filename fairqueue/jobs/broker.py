@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -29,6 +28,7 @@ from celery import signals
 
 from fairqueue import tracing
 from fairqueue.celery import app
+from fairqueue.engine.scripts import LUA_DIR
 from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_target
 
 __all__ = [
@@ -425,7 +425,7 @@ def _declarations(queue: str, *, amqp: bool) -> list[Any]:
 
 # --- a delivery taken from the broker by the slot that runs it (fairqueue.jobs.handoff) -------
 
-_PULL_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "broker_pull.lua").read_text()
+_PULL_SOURCE = (LUA_DIR / "broker_pull.lua").read_text()
 
 
 @dataclass(frozen=True)
