@@ -26,3 +26,7 @@ class FairQueueConfig(AppConfig):
     label = "fairqueue"
     verbose_name = "FairQueue"
     path = _templates_home()
+
+    def ready(self) -> None:
+        # Registers the settings check with Django's check framework.
+        from fairqueue import checks  # noqa: F401

@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
-from django.conf import settings
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs import stats
 from fairqueue.jobs.backpressure import Backpressure
 from fairqueue.jobs.duties import scheduler_tick
@@ -102,14 +102,14 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     threading.Thread(
         target=_heartbeat, args=(hostname, slots, backpressure), name="fairqueue-heartbeat", daemon=True
     ).start()
-    interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
+    interval = min(max(float(fq_settings().LEASE_SECONDS) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
     threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
     # A slot pulls its next delivery only while the worker runs fewer jobs than it offers.
     handoff_enable(
         lambda: _consumed_queues(sender),
         may_start=lambda: active_leases.count()[0] < backpressure.offered,
-        pull=bool(settings.FAIRQUEUE["PULL_DELIVERIES"]),
+        pull=bool(fq_settings().PULL_DELIVERIES),
     )
     log.info("worker %s registered with %s slots", hostname, slots)
 
@@ -126,7 +126,7 @@ def _on_worker_shutting_down(sig: str | None = None, how: str | None = None, **k
     """SIGTERM (an autoscaler scaling in): finish what we can within the grace period,
     starting nothing new: jobs woken from now on are published for other workers."""
     handoff_stop()
-    grace = float(settings.FAIRQUEUE["SHUTDOWN_GRACE_SECONDS"])
+    grace = float(fq_settings().SHUTDOWN_GRACE_SECONDS)
     threading.Thread(target=_drain, args=(grace,), name="fairqueue-drain", daemon=True).start()
 
 
