@@ -102,6 +102,8 @@ class FairQueueSettings:
     TASK_MODULES: tuple[str, ...] = ()
     DEMO_TASKS: bool = False
     ISOLATED_POOL_SIZE: int = 2
+    VISIBILITY_TIMEOUT_SECONDS: int = 6 * 3600
+    PREFETCH_MULTIPLIER: int = 1
     RETENTION_DAYS: float = 30.0
     WEBHOOKS: WebhookSettings = field(default_factory=WebhookSettings)
     BACKPRESSURE: BackpressureSettings = field(default_factory=BackpressureSettings)
@@ -154,6 +156,8 @@ _RANGES: tuple[tuple[str, str, typing.Callable[[Any], bool], str], ...] = (
     ("", "DASHBOARD_TOP_TENANTS", lambda v: v >= 1, "must be at least 1"),
     ("", "HANDBACK_SECONDS", lambda v: v > 0, "must be more than 0"),
     ("", "ISOLATED_POOL_SIZE", lambda v: v >= 1, "must be at least 1"),
+    ("", "VISIBILITY_TIMEOUT_SECONDS", lambda v: v >= 1, "must be at least 1"),
+    ("", "PREFETCH_MULTIPLIER", lambda v: v >= 1, "must be at least 1"),
     ("", "RETENTION_DAYS", lambda v: v >= 0, "must be 0 (keep finished jobs) or a number of days"),
     ("WEBHOOKS", "SENDERS", lambda v: v >= 1, "must be at least 1"),
     ("WEBHOOKS", "TIMEOUT_SECONDS", lambda v: v > 0, "must be more than 0"),

@@ -24,6 +24,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from fairqueue.conf import fq_settings
 from fairqueue.jobs import stats
 from fairqueue.jobs.backpressure import Backpressure
+from fairqueue.jobs.celery_host import consumes_fairqueue
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
@@ -85,6 +86,12 @@ def _ticker(interval: float, lease: DutyLease) -> None:
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     global _hostname, _lease, _backpressure
     hostname = getattr(sender, "hostname", None) or "worker"
+    consumed = sender.app.amqp.queues.consume_from or sender.app.amqp.queues
+    if not consumes_fairqueue(consumed):
+        # The project's own worker (its default queue): no FairQueue job reaches it, so it
+        # offers no slots (they would inflate the pool the limits share) and runs no duties.
+        log.info("worker %s consumes none of FairQueue's queues: not a FairQueue worker", hostname)
+        return
     _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
     pool = str(getattr(sender.controller, "pool_cls", "") or sender.app.conf.worker_pool or "")
