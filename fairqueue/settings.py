@@ -222,6 +222,11 @@ CELERY_WORKER_POOL = env("FAIRQUEUE_WORKER_POOL", default="threads")
 CELERY_WORKER_CONCURRENCY = env.int("FAIRQUEUE_WORKER_SLOTS", default=4)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 
+# --- Django Tasks ---------------------------------------------------------------------------
+# `@task` functions enqueue through FairQueue's throttle (docs/django-tasks.md): the tenant
+# is the task's queue_name, or OPTIONS["TENANT"] for the default queue.
+TASKS = {"default": {"BACKEND": "fairqueue.tasks_backend.FairQueueBackend"}}
+
 # --- Static files ------------------------------------------------------------------------
 # The app serves /static/ itself (WhiteNoise, fairqueue/staticfiles.py), so the admin, the
 # dashboard and the API docs need no proxy rule or CDN, on-premises and offline too.

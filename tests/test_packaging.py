@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -60,3 +61,14 @@ class WheelContentsTests(SimpleTestCase):
         self.assertEqual(
             tops - {"fairqueue-0.1.0.dist-info"}, {"fairqueue", "tenants", "dashboard", "webhooks"}, "top-level names"
         )
+
+
+class DeclaredDependenciesTests(SimpleTestCase):
+    def test_the_distribution_declares_requirements_txt_pins(self) -> None:
+        declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+        pinned = [
+            line.strip()
+            for line in (ROOT / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+        self.assertEqual(sorted(declared), sorted(pinned))
