@@ -12,8 +12,9 @@ from django.test import Client
 import fairqueue
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.models import Job, JobStatus
-from tests.base import RedisTestCase, RedisTransactionTestCase
+from tests.base import RedisTestCase
 from tests.factories import make_tenant
+from tests.test_jobs_e2e import E2EBase
 
 
 class InProcessSubmitTests(RedisTestCase):
@@ -73,7 +74,7 @@ class InProcessSubmitTests(RedisTestCase):
         self.assertEqual((caught.exception.status, caught.exception.code), (403, "tenant_inactive"))
 
 
-class AsyncSubmitTests(RedisTransactionTestCase):
+class AsyncSubmitTests(E2EBase):  # committed rows, seeded classes kept (serialized rollback)
     def test_the_async_twin_submits_from_async_code(self) -> None:
         make_tenant("inproc-async")
         job = asyncio.run(fairqueue.asubmit("inproc-async", "demo.sleep", {"seconds": 0}, priority="high"))

@@ -121,6 +121,16 @@ print(json.dumps({
 }))
 """
 
+# Run in the project: its own worker's prefetch, as Celery reports it (its own app's control).
+OWN_PREFETCH = """
+import json
+from hostsite.celery import app
+stats = app.control.inspect(timeout=5).stats() or {}
+print(json.dumps([v["prefetch_count"] for k, v in stats.items() if k.startswith("own@")]))
+"""
+#: Celery's default prefetch multiplier, which the project's own worker keeps.
+CELERY_DEFAULT_PREFETCH_MULTIPLIER = 4
+
 # Run in the project: what became of the jobs.
 OUTCOME = """
 import json, sys
@@ -244,6 +254,13 @@ class NewHostTests(SimpleTestCase):
         self.assertEqual(outcome["jobs"][rest], ["succeeded", 6])
         self.assertEqual(outcome["django_task"], ["SUCCESSFUL", 42])
         self.assertTrue(marker.exists(), "the project's own task ran on its own worker")
+        own_prefetch = json.loads(
+            self.run_in(site, env, "manage.py", "shell", "-c", OWN_PREFETCH).strip().splitlines()[-1]
+        )
+        slots = int(re.search(r"-c (\d+)", own_line).group(1)) if "-c " in own_line else os.cpu_count() or 1
+        self.assertEqual(
+            own_prefetch, [slots * CELERY_DEFAULT_PREFETCH_MULTIPLIER], "the project's worker keeps its own"
+        )
         registered = {name.decode() for name in client.hkeys("fq:workers:slots")}
         self.assertTrue(registered and all(name.startswith("fq@") for name in registered), registered)
 
