@@ -4,6 +4,7 @@ the dashboard's static files; and nothing of the checkout (tests, examples, depl
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 import sys
 import tempfile
@@ -17,13 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def wheel_build(out_dir: Path) -> Path:
-    """`pip wheel .` of the repository (build isolation: setuptools comes from the registry)."""
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out_dir), str(ROOT)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    """`pip wheel .` of the repository (build isolation: setuptools comes from the registry).
+    setuptools builds in the checkout's build/, so test shards side by side take turns."""
+    lock_path = ROOT / "var" / "wheel-build.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out_dir), str(ROOT)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     (wheel,) = out_dir.glob("fairqueue-*.whl")
     return wheel
 
