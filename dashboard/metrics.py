@@ -261,7 +261,13 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         offered.add_metric([w["hostname"]], w["slots"])
         configured.add_metric([w["hostname"]], w["capacity"])
         backpressure.add_metric([w["hostname"], w["signal"] or "none"], 1.0 if w["slots"] < w["capacity"] else 0.0)
-    families = [offered, configured, backpressure, *_capacity_families(snapshot.get("capacity"))]
+    families = [
+        offered,
+        configured,
+        backpressure,
+        *_capacity_families(snapshot.get("capacity")),
+        *_memory_families(snapshot.get("engine_memory")),
+    ]
     return [
         *families,
         *per_tenant,
@@ -295,6 +301,42 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         finished,
         attempts_failed,
     ]
+
+
+def _memory_families(memory: dict[str, Any] | None) -> list[Metric]:
+    """The engine Redis's memory and the memory guard (fairqueue.jobs.memory_guard)."""
+    if not memory:
+        return []
+    families: list[Metric] = [
+        GaugeMetricFamily(
+            "fairqueue_engine_memory_used_bytes", "Memory the engine Redis uses.", value=memory["used_bytes"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_engine_memory_max_bytes", "The engine Redis's maxmemory (0: none).", value=memory["max_bytes"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_memory_guard_active",
+            "1 while the memory guard refuses new waiting jobs of the largest backlogs.",
+            value=1.0 if memory["guard_active"] else 0.0,
+        ),
+    ]
+    if memory["headroom_bytes"] is not None:
+        families.append(
+            GaugeMetricFamily(
+                "fairqueue_engine_memory_headroom_bytes",
+                "Bytes left before the memory guard starts refusing.",
+                value=memory["headroom_bytes"],
+            )
+        )
+    if memory["guard_cap"] is not None:
+        families.append(
+            GaugeMetricFamily(
+                "fairqueue_memory_guard_cap",
+                "The most jobs a tenant may have waiting while the memory guard is on.",
+                value=memory["guard_cap"],
+            )
+        )
+    return families
 
 
 def dependency_family(up: dict[str, bool]) -> GaugeMetricFamily:

@@ -46,6 +46,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
       "resources": [{"name", "limit" (configured), "effective" (now; 0 while paused), "effective_exact",
                      "paused_for_s" (null unless paused), "refusals"}],
+      "engine_memory": {"used_bytes", "max_bytes", "used_ratio", "threshold_pct", "headroom_bytes",
+                        "guard_active", "guard_cap"},  # fairqueue.jobs.memory_guard
       "policy_changes": [{"ts", "id", "text", "user", "source"}]  # the latest, oldest first
     }
 
@@ -72,6 +74,7 @@ from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, flood_utilisation, sh
 from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
+from fairqueue.jobs.memory_guard import guard_state
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
 from tenants.change_markers import markers_parse
@@ -311,5 +314,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "resources": resources_explain(policy),
         # Which of the services FairQueue needs answer now (a restart or failover in progress).
         "dependencies": dependencies_up(),
+        # The engine Redis's memory, the headroom before the memory guard refuses, its cap.
+        "engine_memory": guard_state().as_dict(),
         "policy_changes": kept.markers,
     }

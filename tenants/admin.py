@@ -276,6 +276,13 @@ class TenantAdmin(PolicyHistoryAdmin, TenantWhatIfMixin):
         ),
         ("Scheduling", {"fields": ["default_latency_class", "batch_enabled"]}),
         (
+            "Quotas",
+            {
+                "fields": ["backlog_quota", "batch_backlog_quota", "submit_rate"],
+                "description": "Past these a submit answers 429 with a Retry-After; empty takes the pool's default.",
+            },
+        ),
+        (
             "API key",
             {
                 "fields": ["api_key_prefix", "api_key_rotated_at"],
@@ -489,6 +496,10 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         ("Pool pressure", {"fields": ["target_utilisation", "f_min", "f_max"]}),
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
         ("Floors", {"fields": ["floor_headroom"]}),
+        (
+            "Quotas and memory",
+            {"fields": ["backlog_quota", "batch_backlog_quota", "submit_rate", "submit_burst", "memory_guard_pct"]},
+        ),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
         REASON_FIELDSET,
         (None, {"fields": ["updated_at"]}),

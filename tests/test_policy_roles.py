@@ -77,6 +77,11 @@ class RolesTestCase(RedisTestCase):
                 "default_job_seconds": "1",
                 "batch_objective_seconds": "43200",
                 "floor_headroom": "0",
+                "backlog_quota": "100000",
+                "batch_backlog_quota": "1000000",
+                "submit_rate": "0",
+                "submit_burst": "1000",
+                "memory_guard_pct": "80",
             },
         }
 

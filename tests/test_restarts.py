@@ -157,14 +157,16 @@ class RabbitMQRestartTests(RestartTestMixin, SimpleTestCase):
 
     def _broker_down(self) -> None:
         """The virtual host as a restarting server looks to its clients: every connection
-        dropped, new ones refused (no permission), then the host itself restarted (its
-        durable queues and their messages come back from disk)."""
-        rabbitmqctl("clear_permissions", "-p", self.vhost.name, "guest")
+        dropped (CONNECTION_FORCED), new ones refused, then the host itself restarted (its
+        durable queues and their messages come back from disk). New connections are refused
+        by a connection limit of 0, not by taking the user's permissions: a restarting
+        server refuses to connect, it never answers a publish on a live channel with 403."""
+        rabbitmqctl("set_vhost_limits", "-p", self.vhost.name, '{"max-connections": 0}')
         rabbitmqctl("close_all_connections", "-p", self.vhost.name, "broker restart (test)")
         rabbitmqctl("restart_vhost", "--vhost", self.vhost.name)
 
     def _broker_up(self) -> None:
-        rabbitmqctl("set_permissions", "-p", self.vhost.name, "guest", ".*", ".*", ".*")
+        rabbitmqctl("clear_vhost_limits", "-p", self.vhost.name)
 
     def test_a_rabbitmq_restart_loses_no_job_and_workers_consume_again(self) -> None:
         stack = self.stack

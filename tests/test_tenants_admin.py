@@ -151,6 +151,11 @@ class PagesTests(AdminTestCase):
                     "default_job_seconds": "2.5",
                     "batch_objective_seconds": "43200",
                     "floor_headroom": "0",
+                    "backlog_quota": "100000",
+                    "batch_backlog_quota": "1000000",
+                    "submit_rate": "0",
+                    "submit_burst": "1000",
+                    "memory_guard_pct": "80",
                 },
                 "f_max",
                 2.0,
@@ -268,6 +273,11 @@ class TenantValidationTests(AdminTestCase):
             "default_job_seconds": "1",
             "batch_objective_seconds": "43200",
             "floor_headroom": "0",
+            "backlog_quota": "100000",
+            "batch_backlog_quota": "1000000",
+            "submit_rate": "0",
+            "submit_burst": "1000",
+            "memory_guard_pct": "80",
         }
         response = self.client.post(reverse("admin:tenants_poolsettings_change", args=[pool.pk]), data)
         self.assert_form_error(response, "f_min", "must not exceed f_max")

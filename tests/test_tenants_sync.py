@@ -69,6 +69,9 @@ class TenantSyncTests(PolicyTestCase):
                 "batch_enabled": "1",
                 "default_class": "high",
                 "sub_tenant_share": "0.4",
+                "backlog_quota": "",
+                "batch_backlog_quota": "",
+                "submit_rate": "",
                 "version": str(self.version()),
             },
         )

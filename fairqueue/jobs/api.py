@@ -174,7 +174,10 @@ def error_response(
 
 @api.exception_handler(JobError)
 def _job_error(request: HttpRequest, exc: JobError) -> HttpResponse:
-    return error_response(request, exc.status, exc.code, exc.message, exc.field)
+    response = error_response(request, exc.status, exc.code, exc.message, exc.field)
+    if exc.retry_after is not None:
+        response["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 @api.exception_handler(AuthenticationError)
@@ -324,6 +327,9 @@ class JobIn(BaseModel):
         le=MAX_ATTEMPTS_LIMIT,
         description="Lower the task's retry policy to this many attempts in all (1: no retry); "
         "above the task's own max_attempts is refused.",
+        # Strict constraints on an annotated int reach the schema as pydantic's own "ge"/"le"
+        # keywords, which JSON Schema ignores: said again in its words (numbers only).
+        json_schema_extra={"minimum": 1, "maximum": MAX_ATTEMPTS_LIMIT},
     )
 
     def to_request(self) -> JobRequest:
@@ -491,6 +497,15 @@ class ResourceLimitOut(Schema):
     refusals: int
 
 
+class QuotasOut(Schema):
+    backlog_quota: int = Field(..., description="Most jobs that may wait at once (not batch); past it a submit is 429.")
+    waiting: int = Field(..., description="Jobs waiting now (queued or parked), not batch.")
+    batch_backlog_quota: int = Field(..., description="Most batch-lane jobs that may wait at once.")
+    batch_waiting: int = Field(..., description="Batch-lane jobs waiting now.")
+    submit_rate: float = Field(..., description="Jobs per second the tenant may submit (0: no limit).")
+    submit_burst: int = Field(..., description="Jobs it may submit at once after a pause (the token bucket's size).")
+
+
 class LimitsOut(Schema):
     tenant: str
     shard: str
@@ -517,6 +532,7 @@ class LimitsOut(Schema):
     mean_job_seconds: float
     pool: PoolOut
     resources: list[ResourceLimitOut] = Field(default_factory=list, description="Every outside resource's limits.")
+    quotas: QuotasOut | None = Field(None, description="Backlog quotas and the submission rate (429 past them).")
 
 
 # --- endpoints ----------------------------------------------------------------------------------
@@ -525,10 +541,25 @@ class LimitsOut(Schema):
 def _errors(*statuses: int) -> dict[int, type[ErrorOut]]:
     """The error statuses an operation can answer, all in the one error shape (documented in OpenAPI).
 
-    415 and 413 come from the body parser, 503 from a Redis outage (see `_redis_down`).
+    415 and 413 come from the body parser, 429 from the quotas (fairqueue.jobs.quotas), 503 from a
+    Redis outage (see `_redis_down`).
     """
     return dict.fromkeys(statuses, ErrorOut)
 
+
+# A submit past the tenant's backlog quota, its submission rate or the memory guard's cap
+# (fairqueue.jobs.quotas): nothing was written; retry after the header's seconds.
+_TOO_MANY: dict[str, Any] = {
+    "description": "Too many jobs: the tenant's backlog quota (`backlog_quota_exceeded`), its submission rate "
+    "(`submit_rate_exceeded`) or the scheduler's memory guard (`memory_guard`) refused the request whole; "
+    "nothing was written. Retry after `Retry-After` seconds, with backoff and jitter.",
+    "headers": {
+        "Retry-After": {
+            "description": "Seconds until the request may succeed (from the tenant's drain rate or its rate bucket).",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
+}
 
 # Operation ids: the names a generated client gives its functions, and what links point at.
 SUBMIT_JOB, SUBMIT_JOBS_BULK, LIST_JOBS = "submit_job", "submit_jobs_bulk", "list_jobs"
@@ -601,9 +632,9 @@ def _job_cancel(tenant: Tenant, job_id: str) -> dict[str, Any]:
 
 @api.post(
     "/jobs",
-    response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)},
+    response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 429, 503)},
     operation_id=SUBMIT_JOB,
-    openapi_extra={"responses": {200: {"links": _JOB_LINKS}, 202: {"links": _JOB_LINKS}}},
+    openapi_extra={"responses": {200: {"links": _JOB_LINKS}, 202: {"links": _JOB_LINKS}, 429: _TOO_MANY}},
 )
 async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
     """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
@@ -612,11 +643,14 @@ async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[st
 
 @api.post(
     "/jobs/bulk",
-    response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)},
+    response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 429, 503)},
     operation_id=SUBMIT_JOBS_BULK,
     # The first job's id (a bulk answers its jobs in the order submitted).
     openapi_extra={
-        "responses": {202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)}}
+        "responses": {
+            202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS)},
+            429: _TOO_MANY,
+        }
     },
 )
 async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> HttpResponse:

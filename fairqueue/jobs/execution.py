@@ -16,7 +16,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
@@ -26,7 +26,7 @@ from fairqueue import tracing
 from fairqueue.backoff import Backoff
 from fairqueue.conf import fq_settings
 from fairqueue.engine import Woken
-from fairqueue.jobs import groupcommit, handback, live, payloads, stats
+from fairqueue.jobs import groupcommit, handback, live, payloads, stats, task_events
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -197,6 +197,14 @@ def _job_run(
     # the task reads its attempt number.
     job.attempts += 1
     job.started_at = now
+    task_events.run_started(
+        job_id=job_id,
+        task=job.task,
+        tenant=job.tenant.slug,
+        sub_tenant=job.sub_tenant,
+        attempt=job.attempts,
+        args={"ref": job.args_ref} if job.args_ref else job.args,
+    )
     outcome = "succeeded"
     fields: dict[str, Any] = {}
     retry_policy = NO_RETRY
@@ -238,11 +246,13 @@ def _job_run(
         # Fenced: another delivery may own the job now. Record and release nothing: the
         # engine reclaims the hold when its lease ends and the job is delivered again.
         _holding_end(job)
+        task_events.run_retried(job_id=job_id, exception="HoldLost: another delivery may own the job")
         log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
         return "fenced", None
     except Backoff as refusal:
         # An outside resource refused it: back to wait, not failed (fairqueue.jobs.backoff).
         _holding_end(job)
+        task_events.run_retried(job_id=job_id, exception=f"Backoff: {refusal}")
         return job_back_off(job, refusal, started=now), None
     except Exception as exc:
         outcome = "failed"
@@ -304,12 +314,29 @@ def _job_run(
         stats.count("retried" if outcome == "retrying" else f"finished:{fields['status']}")
         if job.resources and fields["status"] == JobStatus.SUCCEEDED:
             job_resources_succeeded(job)
+    _run_events(job_id, recorded=recorded, outcome=outcome, fields=fields, error=summary, runtime=finished - now)
     kept = job_release_keeping(job, keep)
     try:
         live.record_finish(tenant_slug=job.tenant.slug, seconds=(finished - now).total_seconds(), batch=job.batch)
     except Exception:  # a statistic; the job's outcome is already recorded
         log.warning("could not record the duration of job %s", job_id, exc_info=True)
     return outcome, kept
+
+
+def _run_events(
+    job_id: str, *, recorded: bool, outcome: str, fields: dict[str, Any], error: str, runtime: timedelta
+) -> None:
+    """The run's last event for Celery's tools (fairqueue.jobs.task_events). An outcome the
+    compare-and-set refused (the job was cancelled, or another delivery owns it) is revoked."""
+    if not recorded:
+        task_events.run_revoked(job_id=job_id)
+    elif outcome == "succeeded":
+        result = fields.get("result") if fields.get("result_ref") is None else {"ref": fields["result_ref"]}
+        task_events.run_succeeded(job_id=job_id, result=result, runtime=runtime.total_seconds())
+    elif outcome == "retrying":
+        task_events.run_retried(job_id=job_id, exception=error, traceback=fields["error"])
+    else:
+        task_events.run_failed(job_id=job_id, exception=error, traceback=fields["error"])
 
 
 def _holding_end(job: Job) -> None:

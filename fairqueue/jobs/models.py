@@ -8,6 +8,7 @@ from typing import Any
 from django.db import models
 from django.db.models.functions import Coalesce
 from django.db.models.lookups import IsNull
+from django.utils import timezone
 from django.utils.deconstruct import deconstructible
 
 
@@ -109,7 +110,9 @@ class Job(models.Model):
     worker_losses = models.PositiveIntegerField(default=0, help_text="Times a worker died under this job.")
     generation = models.PositiveIntegerField(default=0)
     worker = models.CharField(max_length=200, blank=True, default="")
-    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    # Not auto_now_add: a submit sets it to the time its jobs entered their cells, which
+    # happens before the row is written (fairqueue.jobs.quotas).
+    submitted_at = models.DateTimeField(default=timezone.now, editable=False, db_index=True)
     admitted_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import models
 from django.db.models import QuerySet
 
-from fairqueue.jobs import live, payloads
+from fairqueue.jobs import cells, live, payloads
 from fairqueue.jobs.admission import flood_utilisation, shard_tag, tenant_key, tenant_limit_for
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
@@ -21,7 +21,7 @@ from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
 from tenants.models import Tenant
-from tenants.policy import PolicySnapshot, policy_snapshot
+from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
 from tenants.resource_limits import resource_limits_read
 
 
@@ -204,6 +204,22 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "flood_utilisation": round(flood_utilisation(slots=fleet.slots, headroom=policy.pool.floor_headroom), 4),
         },
         "resources": resources_explain(policy),
+        "quotas": quotas_explain(policy, tp),
+    }
+
+
+def quotas_explain(policy: PolicySnapshot, tp: TenantPolicy) -> dict[str, Any]:
+    """The tenant's backlog quotas and submission rate, and what waits against them now."""
+    interactive = cells.tenant_cells(tp.slug, policy.classes)
+    batch = cells.tenant_cells(tp.slug, [cells.BATCH_CLASS])
+    counts = cells.cells_count([*interactive, *batch])
+    return {
+        "backlog_quota": policy.pool.backlog_quota_of(tp, batch=False),
+        "waiting": sum(counts[c] for c in interactive),
+        "batch_backlog_quota": policy.pool.backlog_quota_of(tp, batch=True),
+        "batch_waiting": sum(counts[c] for c in batch),
+        "submit_rate": policy.pool.submit_rate_of(tp),
+        "submit_burst": policy.pool.submit_burst,
     }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from fairqueue.conf import fq_settings
-from fairqueue.jobs import stats
+from fairqueue.jobs import stats, task_events
 from fairqueue.jobs.backpressure import Backpressure
 from fairqueue.jobs.celery_host import consumes_fairqueue
 from fairqueue.jobs.duties import scheduler_tick
@@ -118,6 +118,8 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
         may_start=lambda: active_leases.count()[0] < backpressure.offered,
         pull=bool(fq_settings().PULL_DELIVERIES),
     )
+    # Each job run in Celery's events and `inspect active` under its own task name.
+    task_events.task_events_enable(sender)
     log.info("worker %s registered with %s slots", hostname, slots)
 
 

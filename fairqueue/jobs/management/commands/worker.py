@@ -25,6 +25,9 @@ class Command(BaseCommand):
         parser.add_argument("--hostname", "-n", default=None)
         parser.add_argument("--loglevel", "-l", default="warning")
         parser.add_argument("--no-batch", action="store_true", help="Do not consume the batch lane.")
+        parser.add_argument(
+            "--events", "-E", action="store_true", help="Send task events (Flower, celery-exporter), as celery's -E."
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         argv = ["worker", f"--loglevel={opts['loglevel']}"]
@@ -33,6 +36,8 @@ class Command(BaseCommand):
         for option in ("concurrency", "pool", "hostname"):
             if opts[option] is not None:
                 argv.append(f"--{option}={opts[option]}")
+        if opts["events"]:
+            argv.append("--task-events")
         amqp = broker_is_amqp(app.conf.broker_url)
         if opts["no_batch"] and amqp:
             raise CommandError(
