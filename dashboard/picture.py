@@ -45,12 +45,11 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from django.conf import settings
-
 from dashboard.attention import cell_ratio, shards_ranked, tenant_state, tenants_top
 from dashboard.snapshot import ORANGE, RED, snapshot_build
 from dashboard.tenant_history import tenant_history_record
 from dashboard.watched import watched_read
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.capacity import AHEAD_STEP_SECONDS
 from fairqueue.jobs.runtime import redis_client
 
@@ -62,7 +61,7 @@ LATEST_SECONDS = 3  # kept while this fresh: a page opening later builds its own
 
 def top_tenants() -> int:
     """How many tenants the table shows by attention (the setting)."""
-    return int(settings.FAIRQUEUE["DASHBOARD_TOP_TENANTS"])
+    return int(fq_settings().DASHBOARD_TOP_TENANTS)
 
 
 def cell_key(shard: str, latency_class: str) -> str:

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -183,9 +184,10 @@ def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
     return response
 
 
-@api.exception_handler(NinjaValidationError)
-def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
-    first: dict[str, Any] = exc.errors[0] if exc.errors else {}
+def validation_error(errors: Sequence[Any]) -> JobError:
+    """The 400 of a request's first validation error (pydantic's or ninja's), naming its field:
+    the REST API's answer, and the in-process API's exception (fairqueue.jobs.inprocess)."""
+    first: dict[str, Any] = dict(errors[0]) if errors else {}
     loc = list(first.get("loc", []))
     if loc and loc[0] in ("body", "query", "path", "header", "cookie", "form", "file"):
         loc = loc[1:]
@@ -195,7 +197,13 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
     for part in loc:
         field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
     code = "invalid_args" if loc and loc[0] == "args" else "invalid_request"
-    return error_response(request, 400, code, f"{field or 'body'}: {first.get('msg', 'invalid')}.", field or None)
+    return JobError(400, code, f"{field or 'body'}: {first.get('msg', 'invalid')}.", field or None)
+
+
+@api.exception_handler(NinjaValidationError)
+def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    error = validation_error(exc.errors)
+    return error_response(request, error.status, error.code, error.message, error.field)
 
 
 @api.exception_handler(RequestDataTooBig)

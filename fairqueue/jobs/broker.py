@@ -21,14 +21,15 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from pathlib import Path
 from typing import Any
 
 import redis
+from celery import current_app as app
 from celery import signals
 
 from fairqueue import tracing
-from fairqueue.celery import app
+from fairqueue.engine.scripts import LUA_DIR
+from fairqueue.jobs import celery_host
 from fairqueue.queues import (
     BATCH_QUEUE,
     JOBS_QUEUE,
@@ -118,7 +119,7 @@ def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
     if _amqp():
         return True
     queue, priority = route_target(route, amqp=False)
-    with app.producer_pool.acquire(block=True) as producer:
+    with celery_host.producer_pool().acquire(block=True) as producer:
         channel = producer.channel
         order = _fetch_order(channel, consumed)
         if order is None or queue not in consumed:
@@ -164,7 +165,7 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
     # connection per dispatch cost more than the rest of a handoff, and a producer per
     # thread meant a new connection per request under ASGI, which runs each request in a
     # thread of its own.
-    with app.producer_pool.acquire(block=True) as producer:
+    with celery_host.producer_pool().acquire(block=True) as producer:
         if _templated(producer, deliveries):
             _send_templated(producer, deliveries)
             return
@@ -413,7 +414,7 @@ def broker_identity() -> str | None:
     deliveries lost). None on RabbitMQ, whose durable queues keep their messages."""
     if _amqp():
         return None
-    with app.producer_pool.acquire(block=True) as producer:
+    with celery_host.producer_pool().acquire(block=True) as producer:
         if getattr(producer.channel, "_q_for_pri", None) is None:
             return None
         return str(_publish_client(producer.channel).info("server")["run_id"])
@@ -424,10 +425,10 @@ def broker_ping(*, timeout: float) -> None:
     PING over the publishing pool, RabbitMQ a fresh connection (an idle pooled one would
     not notice that the server went away)."""
     if _amqp():
-        with app.connection_for_write() as connection:
+        with celery_host.connection_for_write() as connection:
             connection.ensure_connection(max_retries=0, timeout=timeout)
         return
-    with app.producer_pool.acquire(block=True, timeout=timeout) as producer:
+    with celery_host.producer_pool().acquire(block=True, timeout=timeout) as producer:
         _publish_client(producer.channel).ping()
 
 
@@ -437,12 +438,12 @@ def _declarations(queue: str, *, amqp: bool) -> list[Any]:
     routed to a queue that does not exist yet (no worker has started since the broker
     was new), so there the queue is declared, with its priorities: kombu remembers it per
     connection, so that is one round trip per pooled connection."""
-    return [app.amqp.queues[queue]] if amqp else []
+    return [celery_host.fairqueue_queue(queue)] if amqp else []
 
 
 # --- a delivery taken from the broker by the slot that runs it (fairqueue.jobs.handoff) -------
 
-_PULL_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "broker_pull.lua").read_text()
+_PULL_SOURCE = (LUA_DIR / "broker_pull.lua").read_text()
 
 
 @dataclass(frozen=True)
@@ -531,7 +532,7 @@ def _puller() -> _Puller | None:
     global _puller_made
     puller = _puller_made
     if puller is None:
-        with _puller_lock, app.producer_pool.acquire(block=True) as producer:
+        with _puller_lock, celery_host.producer_pool().acquire(block=True) as producer:
             if _puller_made is None and _fetch_order(producer.channel, []) is not None:
                 _puller_made = _Puller(producer.channel)
             puller = _puller_made

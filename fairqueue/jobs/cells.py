@@ -36,11 +36,11 @@ import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import redis
 
+from fairqueue.engine.scripts import LUA_DIR
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import redis_client
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -67,7 +67,7 @@ AUDIT_OLDEST = 5  # members of each shard cell checked against the database per 
 AUDIT_RECHECK_SECONDS = 10.0
 REBUILD_CHUNK = 5000
 
-SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
+SOURCE = (LUA_DIR / "cells.lua").read_text()
 _SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 
 

@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue import tracing
+from fairqueue.conf import fq_settings
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs import timeline as tl
@@ -329,7 +329,7 @@ def _jobs_admit(
     fresh: bool,
     enter_cells: bool,
 ) -> None:
-    lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
+    lease_seconds = float(fq_settings().LEASE_SECONDS if running else fq_settings().DISPATCH_LEASE_SECONDS)
     items = []
     plans: list[AdmissionPlan] = []
     admitted_jobs = []

@@ -20,11 +20,11 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.utils import timezone
 
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
+from fairqueue.conf import fq_settings
 from fairqueue.engine import Woken
 from fairqueue.jobs import groupcommit, handback, live, payloads, stats, task_events
 from fairqueue.jobs import timeline as tl
@@ -164,7 +164,7 @@ def _job_run(
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a
     # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
-    lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
+    lease = float(fq_settings().LEASE_SECONDS)
     try:
         if active_leases.fenced():
             # This worker cannot confirm the holds it has: take no new job until it can.

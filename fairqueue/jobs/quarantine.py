@@ -21,9 +21,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from django.conf import settings
 from django.db.models import QuerySet
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job
 from tenants.policy import PoolPolicy
 
@@ -65,7 +65,7 @@ def death_outcome(job: Job, pool: PoolPolicy) -> DeathOutcome:
             # A hostname may be as long as the reason's column: cut to fit, never a failed write.
             return DeathOutcome(Death.QUARANTINE, reason[:REASON_MAX])
         return DeathOutcome(Death.RETRY, "")
-    if job.worker_losses >= int(settings.FAIRQUEUE["POISON_PILL_LIMIT"]):
+    if job.worker_losses >= int(fq_settings().POISON_PILL_LIMIT):
         return DeathOutcome(
             Death.POISON, f"Workers died {job.worker_losses} times running this job; not re-delivered again."
         )

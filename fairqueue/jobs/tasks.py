@@ -12,10 +12,14 @@ from fairqueue.jobs import task_events
 from fairqueue.jobs.execution import job_execute
 
 
+# Acknowledged when the job ends, and given back if its worker dies: a worker then holds at
+# most one message per slot. The broker's re-delivery is a late safety net: the engine's
+# leases re-deliver a dead worker's jobs. Set here, so the project's own tasks keep theirs.
 @shared_task(
     name="fairqueue.run_job",
     bind=True,
     acks_late=True,
+    reject_on_worker_lost=True,
     ignore_result=True,
     send_events=False,
     Request="fairqueue.jobs.task_events:SlotRequest",

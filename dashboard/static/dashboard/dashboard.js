@@ -5,7 +5,7 @@
 (function () {
   "use strict";
   var script = document.currentScript;
-  var wsPath = (script && script.dataset.wsPath) || "/ws/dashboard/";
+  var wsPath = script.dataset.wsPath; // the page says where (the host's prefix)
   var adminUrl = (script && script.dataset.tenantAdmin) || "/dashboard/tenants/__slug__/admin/";
   var HISTORY_LEN = +((script && script.dataset.historyLen) || 120);
   var PINS_KEY = "fairqueue.dashboard.pins";
