@@ -27,7 +27,7 @@ from typing import Any
 from celery import current_app
 from celery.signals import celeryd_after_setup, celeryd_init
 from celery.utils.text import str_to_list
-from kombu import Connection, pools
+from kombu import Connection, Exchange, Queue, pools
 
 from fairqueue.conf import FairQueueSettings, fq_settings
 from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, QUARANTINE_QUEUE, broker_transport_options, task_queues
@@ -68,8 +68,14 @@ def connection_for_write() -> Connection:
 
 
 def fairqueue_queue(name: str) -> Any:
-    """FairQueue's declaration of queue `name` (with its priorities on RabbitMQ)."""
-    return next(q for q in task_queues(broker_url()) if q.name == name)
+    """FairQueue's declaration of queue `name` (with its priorities on RabbitMQ); the
+    quarantine lane's is a plain queue, as a worker's `-Q fq.quarantine` declares it."""
+    for queue in task_queues(broker_url()):
+        if queue.name == name:
+            return queue
+    if name == QUARANTINE_QUEUE:
+        return Queue(QUARANTINE_QUEUE, Exchange(QUARANTINE_QUEUE), routing_key=QUARANTINE_QUEUE)
+    raise KeyError(f"{name} is not one of FairQueue's queues")
 
 
 def consumes_fairqueue(names: Iterable[str]) -> bool:
