@@ -8,7 +8,7 @@ export FAIRQUEUE_TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
 export FAIRQUEUE_DEMO ?= 1
 DEMO_PORT ?= 8000
 
-.PHONY: demo test test-distributed lint typecheck venv redis rabbitmq migrate clean bench-engine bench-noisy chaos chaos-cluster
+.PHONY: demo test test-distributed lint typecheck venv redis rabbitmq test-tools migrate clean bench-engine bench-noisy chaos chaos-cluster
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.txt requirements-dev.txt
@@ -19,6 +19,11 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 
 redis:
 	@scripts/ensure_redis.sh
+
+# Chromium (browser tests) and promtool (metrics lint): installed with apt-get where that is
+# possible, otherwise the script says how.
+test-tools:
+	@scripts/ensure_test_tools.sh
 
 # The broker tests (tests/test_brokers.py) run the jobs end to end on RabbitMQ too.
 rabbitmq:
@@ -51,7 +56,7 @@ typecheck: venv
 # figures of a real workload) run after the shards, alone on the machine.
 TESTS ?= tests
 TEST_SHARDS ?= 3
-test: venv redis rabbitmq lint typecheck
+test: venv redis rabbitmq test-tools lint typecheck
 	$(PY) scripts/test_shards.py --shards $(TEST_SHARDS) $(TESTS) -- --noinput --exclude-tag distributed --exclude-tag serial
 	$(PY) manage.py test --noinput --tag serial --exclude-tag distributed $(TESTS)
 

@@ -22,7 +22,7 @@ build.
 Delta shape::
 
     {"t": "delta", "ts",
-     "pool"?: {key: value}, "totals"?: {...}, "capacity"?: {...}, "dependencies"?: {...},
+     "pool"?: {key: value}, "quarantine"?: {...}, "totals"?: {...}, "capacity"?: {...}, "dependencies"?: {...},
      "top"?: [slug, ...], "top_n"?: n, "red"?: {...}, "workers"?: [...], "resources"?: [...],
      "policy_changes"?: [...],
      "rows"?: {slug: {field: value}}, "gone"?: [slug, ...],
@@ -36,7 +36,7 @@ import json
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-DICT_SECTIONS = ("pool", "totals", "capacity", "dependencies")  # sent as the keys that changed
+DICT_SECTIONS = ("pool", "quarantine", "totals", "capacity", "dependencies")  # sent as the keys that changed
 WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources", "policy_changes")  # sent whole when changed
 GRID_WHOLE = ("classes", "shards", "shards_total", "counts")
 

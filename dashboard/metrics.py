@@ -267,6 +267,8 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
         backpressure,
         *_capacity_families(snapshot.get("capacity")),
         *_document_families(snapshot.get("documents")),
+        *_quarantine_families(snapshot.get("quarantine")),
+        *_memory_families(snapshot.get("engine_memory")),
     ]
     return [
         *families,
@@ -297,6 +299,11 @@ def metrics_build(snapshot: dict[str, Any], cells: dict[str, float]) -> list[Met
             "fairqueue_jobs_handed_back",
             "Deliveries a worker gave back because its version cannot run the task (rolling deploys).",
             value=cells.get("handed_back", 0.0),
+        ),
+        CounterMetricFamily(
+            "fairqueue_quarantine_moved",
+            "Jobs moved to the quarantine lane after worker deaths under them.",
+            value=cells.get("quarantine:moved", 0.0),
         ),
         finished,
         attempts_failed,
@@ -331,6 +338,64 @@ def _document_families(documents: dict[str, Any] | None) -> list[Metric]:
         value=(documents or {}).get("in_flight", 0),
     )
     return [in_flight, fan_out, fan_out_max, total]
+
+
+def _quarantine_families(lane: dict[str, Any] | None) -> list[Metric]:
+    """The quarantine lane (fairqueue.jobs.quarantine): its cap, its jobs and its oldest wait."""
+    if lane is None:
+        return []
+    return [
+        GaugeMetricFamily(
+            "fairqueue_quarantine_slots", "Quarantined jobs that may run at once per shard.", value=lane["slots"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_running",
+            "Quarantined jobs holding a lane slot (running, or on their way to a quarantine worker).",
+            value=lane["running"],
+        ),
+        GaugeMetricFamily("fairqueue_quarantine_waiting", "Quarantined jobs not yet started.", value=lane["waiting"]),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_oldest_wait_seconds",
+            "Age of the oldest quarantined job not yet started (0 when none waits).",
+            value=lane["oldest_wait_s"] or 0.0,
+        ),
+    ]
+
+
+def _memory_families(memory: dict[str, Any] | None) -> list[Metric]:
+    """The engine Redis's memory and the memory guard (fairqueue.jobs.memory_guard)."""
+    if not memory:
+        return []
+    families: list[Metric] = [
+        GaugeMetricFamily(
+            "fairqueue_engine_memory_used_bytes", "Memory the engine Redis uses.", value=memory["used_bytes"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_engine_memory_max_bytes", "The engine Redis's maxmemory (0: none).", value=memory["max_bytes"]
+        ),
+        GaugeMetricFamily(
+            "fairqueue_memory_guard_active",
+            "1 while the memory guard refuses new waiting jobs of the largest backlogs.",
+            value=1.0 if memory["guard_active"] else 0.0,
+        ),
+    ]
+    if memory["headroom_bytes"] is not None:
+        families.append(
+            GaugeMetricFamily(
+                "fairqueue_engine_memory_headroom_bytes",
+                "Bytes left before the memory guard starts refusing.",
+                value=memory["headroom_bytes"],
+            )
+        )
+    if memory["guard_cap"] is not None:
+        families.append(
+            GaugeMetricFamily(
+                "fairqueue_memory_guard_cap",
+                "The most jobs a tenant may have waiting while the memory guard is on.",
+                value=memory["guard_cap"],
+            )
+        )
+    return families
 
 
 def dependency_family(up: dict[str, bool]) -> GaugeMetricFamily:

@@ -21,7 +21,7 @@ through the channel layer; each page's consumer turns it into that page's frame
 Shape::
 
     {"ts", "generated_at", "top_n",
-     "pool": {...}, "totals": {"tenants", "active", "busy", "in_flight", "waiting", "parked",
+     "pool": {...}, "quarantine": {...}, "totals": {"tenants", "active", "busy", "in_flight", "waiting", "parked",
                                "throttled", "red", "orange"},
      "top": [slug, ...],                       # most attention first
      "rows": {slug: row},                      # the snapshot's tenant row (ages to 0.1 s)
@@ -48,12 +48,11 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from django.conf import settings
-
 from dashboard.attention import cell_ratio, shards_ranked, tenant_state, tenants_top
 from dashboard.snapshot import ORANGE, RED, snapshot_build
 from dashboard.tenant_history import tenant_history_record
 from dashboard.watched import watched_read
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.capacity import AHEAD_STEP_SECONDS
 from fairqueue.jobs.runtime import redis_client
 
@@ -65,7 +64,7 @@ LATEST_SECONDS = 3  # kept while this fresh: a page opening later builds its own
 
 def top_tenants() -> int:
     """How many tenants the table shows by attention (the setting)."""
-    return int(settings.FAIRQUEUE["DASHBOARD_TOP_TENANTS"])
+    return int(fq_settings().DASHBOARD_TOP_TENANTS)
 
 
 def cell_key(shard: str, latency_class: str) -> str:
@@ -174,6 +173,7 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         "generated_at": snapshot["generated_at"],
         "top_n": top_n,
         "pool": snapshot["pool"],
+        "quarantine": snapshot["quarantine"],
         "totals": tenant_totals(rows),
         "top": [r["slug"] for r in top],
         "rows": shown,

@@ -30,6 +30,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
                "batch_share",   # batch busy slots / slots
                "target",        # slots x target utilisation
                "floor_headroom", "flood_utilisation"},  # slots kept for floors, and their cost
+      "quarantine": {"slots" (the lane's cap per shard), "running" (jobs holding a lane slot),
+                     "waiting", "oldest_wait_s" (null when none waits)},  # fairqueue.jobs.quarantine
       "shards": ["default", ...], "classes": ["critical", "high", "default", "low", "batch"],
       "tenants": [{"slug", "name", "active", "shard", "floor", "limit", "in_flight",
                    "parked_by_class": {class: n}, "parked", "waiting",
@@ -46,6 +48,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
       "capacity": {"slots", "busy", "needed_now", "forecast", "desired", ...}  # fairqueue.jobs.capacity
       "resources": [{"name", "limit" (configured), "effective" (now; 0 while paused), "effective_exact",
                      "paused_for_s" (null unless paused), "refusals"}],
+      "engine_memory": {"used_bytes", "max_bytes", "used_ratio", "threshold_pct", "headroom_bytes",
+                        "guard_active", "guard_cap"},  # fairqueue.jobs.memory_guard
       "policy_changes": [{"ts", "id", "text", "user", "source"}],  # the latest, oldest first
       "documents": {"in_flight",   # fan-out parents awaiting their children
                     "tenants": {slug: {"documents", "children", "running", "max_running"}},
@@ -71,10 +75,19 @@ from dashboard.gc_pause import gc_paused
 from dashboard.tenant_rows import LimitsRaw, RowsInputs, TenantRows
 from fairqueue.engine.keys import key_name
 from fairqueue.jobs import cells, documents, live
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, document_key, flood_utilisation, shard_tag, tenant_key
+from fairqueue.jobs.admission import (
+    BATCH_KEY,
+    QUARANTINE_KEY,
+    SHARD_KEY,
+    document_key,
+    flood_utilisation,
+    shard_tag,
+    tenant_key,
+)
 from fairqueue.jobs.capacity import capacity_read
 from fairqueue.jobs.dependencies import dependencies_up
 from fairqueue.jobs.fleet import fleet_read, fleet_workers
+from fairqueue.jobs.memory_guard import guard_state
 from fairqueue.jobs.runtime import engine, redis_client
 from fairqueue.jobs.selectors import resources_explain
 from tenants.change_markers import markers_parse
@@ -134,7 +147,7 @@ def _roster_for(policy: PolicySnapshot) -> _Roster:
     if roster is None or roster.policy is not policy:
         tenants = sorted(policy.tenants.values(), key=lambda t: t.slug)
         keys = [tenant_key(t.slug) for t in tenants]
-        count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY] for shard in policy.shards}
+        count_names: dict[str, list[str]] = {shard: [SHARD_KEY, BATCH_KEY, QUARANTINE_KEY] for shard in policy.shards}
         for t, key in zip(tenants, keys, strict=True):
             if t.shard in count_names:
                 count_names[t.shard].append(key)
@@ -160,7 +173,8 @@ class _Kept:
     view: cells.CellsView | None = None
     count_names: dict[str, list[str]] | None = None  # the roster's fields the holders were read for
     held_raw: dict[str, list[str | None]] = field(default_factory=dict)  # shard -> its reply, as read
-    shard_held: dict[str, tuple[int, int]] = field(default_factory=dict)  # shard -> (its key's, its batch key's)
+    # shard -> (its key's, its batch key's, its quarantine lane key's)
+    shard_held: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     holders: dict[str, int] = field(default_factory=dict)  # tenant engine key -> held
     limits_version: str | None = None  # the tick's publication the three hashes were read at
     limits_raw: LimitsRaw = ({}, {}, {})
@@ -255,15 +269,16 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
     if changed:
         holders = dict(kept.holders)
         for shard, raw in changed:
-            # The fields read: the shard's key, its batch key, then its tenants' keys.
-            holders.update(zip(count_names[shard][2:], [int(v) if v else 0 for v in raw[2:]], strict=True))
-            kept.shard_held[shard] = (int(raw[0] or 0), int(raw[1] or 0))
+            # The fields read: the shard's key, its batch and quarantine keys, then its tenants' keys.
+            holders.update(zip(count_names[shard][3:], [int(v) if v else 0 for v in raw[3:]], strict=True))
+            kept.shard_held[shard] = (int(raw[0] or 0), int(raw[1] or 0), int(raw[2] or 0))
             held_raw[shard] = raw
         kept.holders = holders
     holders = kept.holders
-    in_flight = batch_in_flight = 0
+    in_flight = batch_in_flight = quarantine_held = 0
     for shard in shards:
-        shard_held, batch_held = kept.shard_held[shard]
+        shard_held, batch_held, lane_held = kept.shard_held[shard]
+        quarantine_held += lane_held
         batch_in_flight += batch_held
         in_flight += max(0, shard_held - batch_held)
     limits_version: str | None = next(results)
@@ -319,6 +334,14 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "floor_headroom": policy.pool.floor_headroom,
         "flood_utilisation": round(flood_utilisation(slots=slots, headroom=policy.pool.floor_headroom), 4),
     }
+    lane_cells = [view.get(cells.quarantine_cell(s)) for s in shards]
+    lane_oldest = [c.oldest_ts for c in lane_cells if c.waiting and c.oldest_ts is not None]
+    quarantine = {
+        "slots": policy.pool.quarantine_slots,
+        "running": quarantine_held,
+        "waiting": sum(c.waiting for c in lane_cells),
+        "oldest_wait_s": age(min(lane_oldest)) if lane_oldest else None,
+    }
     tenant_rows = roster.rows.build(
         RowsInputs(signals, kept.limits_raw, holders, view, (slots, in_flight)),
         now=now,
@@ -341,6 +364,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "generated_at": datetime.fromtimestamp(now, UTC).isoformat(),
         "generated_ts": round(now, 3),
         "pool": pool,
+        "quarantine": quarantine,
         "shards": shards,
         "classes": list(objectives),
         "tenants": tenant_rows,
@@ -356,6 +380,8 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "resources": resources_explain(policy),
         # Which of the services FairQueue needs answer now (a restart or failover in progress).
         "dependencies": dependencies_up(),
+        # The engine Redis's memory, the headroom before the memory guard refuses, its cap.
+        "engine_memory": guard_state().as_dict(),
         # Fan-out parents awaiting their children, per tenant, and the busiest of them.
         "documents": _documents_view(in_flight_documents, prefix=prefix),
         "policy_changes": kept.markers,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hmac
 
-from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse, HttpResponseNotFound, HttpResponseRedirect
 from django.shortcuts import render
@@ -13,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dashboard.metrics import metrics_render, scrape_registry
 from dashboard.snapshot import HISTORY_LEN
+from fairqueue.conf import fq_settings, metrics_multiproc_dir
 from tenants.models import Tenant
 
 
@@ -33,7 +33,7 @@ def tenant_admin(request: HttpRequest, slug: str) -> HttpResponse:
 
 def metrics(request: HttpRequest) -> HttpResponse:
     """django-prometheus's and FairQueue's series, behind `Authorization: Bearer <METRICS_TOKEN>` when one is set."""
-    token = settings.FAIRQUEUE.get("METRICS_TOKEN") or ""
+    token = fq_settings().METRICS_TOKEN
     if token:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
@@ -41,5 +41,5 @@ def metrics(request: HttpRequest) -> HttpResponse:
             response = HttpResponse("metrics require a bearer token\n", status=401, content_type="text/plain")
             response["WWW-Authenticate"] = 'Bearer realm="metrics"'
             return response
-    registry = scrape_registry(settings.PROMETHEUS_MULTIPROC_DIR)
+    registry = scrape_registry(metrics_multiproc_dir())
     return HttpResponse(metrics_render(registry), content_type=CONTENT_TYPE_LATEST)

@@ -51,10 +51,12 @@ from django.urls import set_script_prefix
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
 
+from fairqueue.conf import fq_settings
+from fairqueue.mount import api_prefix
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
-API_PREFIX = "/api/"
 # Middleware a bearer-key JSON API never reads: no session, user, message, CSRF cookie or
 # static file is involved in any /api/ request (ninja's CSRF check is off for key auth), and
 # it changes no policy (whose history the history middleware tells who changed it).
@@ -151,7 +153,7 @@ def _api_pool() -> ApiPool:
         return _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ApiPool(settings.FAIRQUEUE["API_THREADS"])
+            _pool = ApiPool(fq_settings().API_THREADS)
         return _pool
 
 
@@ -316,12 +318,16 @@ class ApiASGIHandler(ASGIHandler):
 
 
 def is_api_path(scope: dict[str, Any]) -> bool:
-    """Whether the request's path below the script prefix (Django's path_info) is under /api/."""
+    """Whether the request's path below the script prefix (Django's path_info) is under the
+    REST API's prefix (`<where the host mounted fairqueue.urls>api/`, fairqueue/mount.py)."""
+    prefix = api_prefix()
+    if prefix is None:
+        return False
     path: str = scope.get("path", "")
     root: str = scope.get("root_path", "")
     if root and path.startswith(root):
         path = path[len(root) :]
-    return path.startswith(API_PREFIX)
+    return path.startswith(prefix)
 
 
 class HttpRouter:

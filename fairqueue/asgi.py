@@ -1,6 +1,6 @@
-"""ASGI entry point: HTTP through Django (static files too: fairqueue/staticfiles.py; the
-REST API through its own handler, fairqueue/apiserver.py), websockets through Channels
-(staff only)."""
+"""ASGI entry point of the repository's own project, written as any host's asgi.py is
+(README, "Add FairQueue to your Django project"): HTTP through Django, with FairQueue's REST
+API on its own fast handler (fairqueue/apiserver.py), websockets through Channels (staff only)."""
 
 import os
 
@@ -13,12 +13,11 @@ from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
-from dashboard.routing import websocket_urlpatterns  # noqa: E402
-from fairqueue.apiserver import ApiASGIHandler, HttpRouter  # noqa: E402
+from fairqueue.routing import fairqueue_http, websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": HttpRouter(api=ApiASGIHandler(), default=django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "http": fairqueue_http(django_asgi_app),
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns()))),
     }
 )

@@ -188,7 +188,9 @@ class ChaosConfig:
 
 
 class WorkerPool:
-    """The run's `manage.py worker` processes; kill one with SIGKILL, start replacements."""
+    """The run's `manage.py worker` processes; kill one with SIGKILL, start replacements.
+    Beside them one quarantine worker (`--quarantine`), never killed: it runs the jobs the
+    kills moved to the quarantine lane (fairqueue.jobs.quarantine)."""
 
     def __init__(self, *, slots: int, env: dict[str, str], log_dir: Path) -> None:
         self.slots = slots
@@ -196,23 +198,24 @@ class WorkerPool:
         self.log_dir = log_dir
         self.client = connect(engine_url_of(env), decode_responses=True)  # the worker registry
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.quarantine: dict[str, subprocess.Popen[bytes]] = {}  # not among the victims
         self._n = 0
         self._lock = threading.Lock()
 
-    def spawn(self) -> str:
+    def spawn(self, *, quarantine: bool = False) -> str:
         with self._lock:
             self._n += 1
-            hostname = f"chaos{self._n}-{uuid.uuid4().hex[:4]}@localhost"
+            hostname = f"chaos{'q' if quarantine else ''}{self._n}-{uuid.uuid4().hex[:4]}@localhost"
         log = (self.log_dir / f"{hostname.split('@')[0]}.log").open("wb")
         proc = subprocess.Popen(
-            worker_argv(hostname=hostname, slots=self.slots),
+            [*worker_argv(hostname=hostname, slots=self.slots), *(["--quarantine"] if quarantine else [])],
             cwd=ROOT,
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         with self._lock:
-            self.procs[hostname] = proc
+            (self.quarantine if quarantine else self.procs)[hostname] = proc
         return hostname
 
     def wait_registered(self, hostnames: Iterable[str], timeout: float = 60.0) -> None:
@@ -222,7 +225,7 @@ class WorkerPool:
             if all(self.client.zscore(SEEN_KEY, h) is not None for h in names):
                 return
             for h in names:
-                if self.procs[h].poll() is not None:
+                if {**self.procs, **self.quarantine}[h].poll() is not None:
                     raise ChaosError(f"worker {h} exited early; see {self.log_dir}")
             time.sleep(0.1)
         raise ChaosError(f"workers did not register within {timeout}s; see {self.log_dir}")
@@ -249,7 +252,7 @@ class WorkerPool:
 
     def stop_all(self) -> None:
         with self._lock:
-            procs = list(self.procs.values())
+            procs = [*self.procs.values(), *self.quarantine.values()]
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
@@ -774,7 +777,7 @@ def run(config: ChaosConfig, *, log: Log = print) -> dict[str, Any]:
         keys = tenants_create(env)
         web = WebServer(env=env, log_dir=log_dir)
         workers = WorkerPool(slots=config.slots, env=env, log_dir=log_dir)
-        first = [workers.spawn() for _ in range(config.workers)]
+        first = [workers.spawn() for _ in range(config.workers)] + [workers.spawn(quarantine=True)]
         web.start(timeout=60)
         workers.wait_registered(first)
         log(f"  stack up in {time.monotonic() - t0:.1f}s: daphne on {web.base_url}, workers {', '.join(first)}")

@@ -29,6 +29,12 @@ from kombu import Exchange, Queue
 
 JOBS_QUEUE = "fq.jobs"
 BATCH_QUEUE = "fq.batch"  # Redis only: on AMQP the batch lane is AMQP_BATCH_PRIORITY in JOBS_QUEUE
+# The quarantine lane (jobs whose workers died under them): deliberately not among the
+# queues every worker consumes (`task_queues`), so only a worker started for it reads it
+# (`manage.py worker --quarantine`, or `celery -A fairqueue worker -Q fq.quarantine`).
+# One priority: the lane's own engine key already admits its jobs in fair order.
+QUARANTINE_QUEUE = "fq.quarantine"
+QUARANTINE_PRIORITY = 0
 PRIORITY_LEVELS = 10  # latency-class levels a broker tells apart; classes past the last share it
 # Redis: level n is priority n; batch messages sit at the last step, after fq.jobs's.
 REDIS_BATCH_PRIORITY = PRIORITY_LEVELS - 1

@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "ninja",  # the API docs' Swagger UI from ninja's bundled static files, not a CDN
     "channels",
     "simple_history",  # who changed policy, old -> new (tenants/history.py)
+    "fairqueue",
     "tenants",
     "fairqueue.jobs",
     "webhooks",
@@ -53,7 +54,11 @@ INSTALLED_APPS = [
 ]
 # The demo's own tasks (demo.sleep, demo.parse, demo.noop) are registered only in the demo
 # (and tests) unless asked for: in production any tenant could submit an hour-long sleep.
-DEMO_TASKS = env.bool("FAIRQUEUE_DEMO_TASKS", default=DEMO_MODE)
+DEMO_TASKS = env.bool("FAIRQUEUE_DEMO_TASKS", default=DEMO_MODE)  # FAIRQUEUE["DEMO_TASKS"] below
+# The demo's memory-hungry task (demo.hungry) stands in for a container's memory limit: past
+# this resident size (MB) it SIGKILLs its worker, as the kernel's OOM killer would. 0: no limit.
+# `make demo` gives its normal workers a small one and its quarantine worker none.
+FAIRQUEUE_DEMO_WORKER_MEMORY_MB = env.int("FAIRQUEUE_DEMO_WORKER_MEMORY_MB", default=0)
 if DEMO_TASKS:
     # The example app of docs/tasks.md ("Writing your own tasks"): its tasks are discovered
     # like any installed app's (a `fairqueue_tasks` module), and the test suite runs them.
@@ -83,14 +88,14 @@ FAIRQUEUE_BENCH_QUERY_COUNT_DIR = env.str("FAIRQUEUE_BENCH_QUERY_COUNT_DIR", def
 if FAIRQUEUE_BENCH_QUERY_COUNT_DIR:
     INSTALLED_APPS.append("fairqueue.bench")
 
-ROOT_URLCONF = "fairqueue.urls"
+ROOT_URLCONF = "fairqueue.project_urls"
 WSGI_APPLICATION = "fairqueue.wsgi.application"
 ASGI_APPLICATION = "fairqueue.asgi.application"
 
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -166,9 +171,9 @@ def _role_url(variable: str) -> str:
 
 # The engine's state and the jobs side's fleet-wide keys (worker registry, stats, policy,
 # live signals, leases). A node of a Redis Cluster is detected (fairqueue.engine.cluster).
-# Empty means REDIS_URL, looked up when a client is made (tenants/redis_client.py), so
-# tests that point REDIS_URL elsewhere move the engine with it.
-FAIRQUEUE_ENGINE_URL = "" if RUNNING_TESTS else env.str("FAIRQUEUE_ENGINE_URL", default="")
+# Empty means REDIS_URL, looked up when a client is made (fairqueue/conf.py), so tests that
+# point REDIS_URL elsewhere move the engine with it. FAIRQUEUE["ENGINE_URL"] below.
+_ENGINE_URL = "" if RUNNING_TESTS else env.str("FAIRQUEUE_ENGINE_URL", default="")
 CHANNELS_REDIS_URL = _role_url("CHANNELS_REDIS_URL")
 CACHE_URL = _role_url("CACHE_URL")
 
@@ -191,20 +196,18 @@ try:
     CELERY_TASK_QUEUES = task_queues(CELERY_BROKER_URL)
 except UnsupportedBroker as exc:
     raise ImproperlyConfigured(f"CELERY_BROKER_URL: {exc}") from exc
-CELERY_BROKER_TRANSPORT_OPTIONS = broker_transport_options(
-    CELERY_BROKER_URL, visibility_timeout=env.int("FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600)
-)
+_VISIBILITY_TIMEOUT = env.int(
+    "FAIRQUEUE_VISIBILITY_TIMEOUT", default=6 * 3600
+)  # FAIRQUEUE["VISIBILITY_TIMEOUT_SECONDS"]
+# This project's workers run only FairQueue's jobs, so its app uses FairQueue's transport
+# options and queues for everything (a plain `celery -A fairqueue worker` is a FairQueue
+# worker). A host running tasks of its own leaves both out: FairQueue applies them to its own
+# connections and workers (docs/celery.md).
+CELERY_BROKER_TRANSPORT_OPTIONS = broker_transport_options(CELERY_BROKER_URL, visibility_timeout=_VISIBILITY_TIMEOUT)
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
-# A delivery is acknowledged when its task ends: a worker then holds at most one message
-# per slot and takes the next only when a slot frees (early acks let a busy worker take
-# one more, which then runs before a higher class published after it). The broker's own
-# re-delivery is a late safety net: the engine's leases re-deliver a dead worker's jobs.
-CELERY_TASK_ACKS_LATE = True
-CELERY_TASK_REJECT_ON_WORKER_LOST = True
-# Each worker reserves at most this many messages per slot. Admission already bounds what
-# reaches the broker (sum of limits plus a small overcommit), so 1 means no hoarding.
-CELERY_WORKER_PREFETCH_MULTIPLIER = env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", default=1)
+# FairQueue's task acknowledges late and its workers prefetch one message per slot by
+# themselves (fairqueue/jobs/tasks.py, fairqueue/jobs/celery_host.py): nothing to set here.
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -212,21 +215,21 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 # A broker that does not answer (RabbitMQ restarting) fails a publish within this long.
 CELERY_BROKER_CONNECTION_TIMEOUT = BROKER_CONNECT_TIMEOUT_SECONDS
-# After a broker reconnect Celery lowers the prefetch while older tasks run and raises it
-# again from the thread that acknowledges each: with the threads pool that thread and the
-# consumer's loop then both talk on the one AMQP connection and deadlock, and the worker
-# consumes nothing more. FairQueue sets the prefetch itself, from the consumer's loop
-# (fairqueue.jobs.backpressure.prefetch_apply), so Celery's own adjustment is off.
-CELERY_WORKER_ENABLE_PREFETCH_COUNT_REDUCTION = False
 # Every worker, `celery -A fairqueue worker` or `manage.py worker`, consumes CELERY_TASK_QUEUES:
 # latency classes are message priorities in fq.jobs, and the batch lane is read only when
 # no class waits (fq.batch on Redis, the lowest priority of fq.jobs on RabbitMQ).
 CELERY_TASK_DEFAULT_QUEUE = JOBS_QUEUE
 # Jobs renew their leases from a thread of the process that runs them, and the fleet
-# registry counts them there: a FairQueue worker runs the threads pool.
+# registry counts them there: a FairQueue worker runs the threads pool (this project's
+# workers are all FairQueue's; a host passes `-P threads` on its FairQueue worker's line).
 CELERY_WORKER_POOL = env("FAIRQUEUE_WORKER_POOL", default="threads")
 CELERY_WORKER_CONCURRENCY = env.int("FAIRQUEUE_WORKER_SLOTS", default=4)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+# --- Django Tasks ---------------------------------------------------------------------------
+# `@task` functions enqueue through FairQueue's throttle (docs/django-tasks.md): the tenant
+# is the task's queue_name, or OPTIONS["TENANT"] for the default queue.
+TASKS = {"default": {"BACKEND": "fairqueue.tasks_backend.FairQueueBackend"}}
 
 # --- Static files ------------------------------------------------------------------------
 # The app serves /static/ itself (WhiteNoise, fairqueue/staticfiles.py), so the admin, the
@@ -245,7 +248,14 @@ if RUNNING_TESTS:
 PROMETHEUS_MULTIPROC_DIR = env.str("PROMETHEUS_MULTIPROC_DIR", default="")
 
 # --- FairQueue ----------------------------------------------------------------------------
+# Every key has a default in fairqueue/conf.py (docs/settings.md); this project sets them all
+# from its environment, a host sets only what it changes. `manage.py check` names a wrong one.
 FAIRQUEUE = {
+    "ENGINE_URL": _ENGINE_URL,
+    "DEMO_TASKS": DEMO_TASKS,
+    "VISIBILITY_TIMEOUT_SECONDS": _VISIBILITY_TIMEOUT,
+    "PREFETCH_MULTIPLIER": env.int("FAIRQUEUE_PREFETCH_MULTIPLIER", default=1),
+    "PROMETHEUS_MULTIPROC_DIR": PROMETHEUS_MULTIPROC_DIR,
     # Seconds a running job's hold lives without a heartbeat.
     "LEASE_SECONDS": env.float("FAIRQUEUE_LEASE_SECONDS", default=30.0),
     # Seconds an admitted job may wait in the broker before a worker starts it.
@@ -335,18 +345,6 @@ FAIRQUEUE = {
         "HISTORY_POINTS": env.int("FAIRQUEUE_CAPACITY_HISTORY_POINTS", default=180),  # 3 h at one a minute
     },
 }
-if FAIRQUEUE["ISOLATED_POOL_SIZE"] < 1:
-    raise ImproperlyConfigured("FAIRQUEUE_ISOLATED_POOL_SIZE must be at least 1.")
-if FAIRQUEUE["DASHBOARD_TOP_TENANTS"] < 1:
-    raise ImproperlyConfigured("FAIRQUEUE_DASHBOARD_TOP_TENANTS must be at least 1.")
-if FAIRQUEUE["RETENTION_DAYS"] < 0:
-    raise ImproperlyConfigured("FAIRQUEUE_RETENTION_DAYS must be 0 (keep finished jobs) or a number of days.")
-for _signal in ("MEMORY", "CPU", "PSI_CPU", "PSI_MEMORY", "PSI_IO"):
-    _high, _low = FAIRQUEUE["BACKPRESSURE"][f"{_signal}_HIGH"], FAIRQUEUE["BACKPRESSURE"][f"{_signal}_LOW"]
-    if _high and not 0 <= _low <= _high:
-        raise ImproperlyConfigured(
-            f"FAIRQUEUE_BACKPRESSURE_{_signal}_LOW ({_low}) must be between 0 and the high mark ({_high})."
-        )
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": STATICFILES_BACKEND},
@@ -391,3 +389,9 @@ if not DEBUG and not DEMO_MODE:
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
     SECURE_HSTS_PRELOAD = True
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# The project's Celery app, made the current one in every process that loads these
+# settings (web, worker, commands): FairQueue publishes through it. A host does this in its
+# package's __init__.py (`from .celery import app as celery_app`); this project's package is
+# also the library, whose import must stay free of Celery, so it is done here.
+from fairqueue.celery import app as celery_app  # noqa: E402, F401

@@ -1,16 +1,20 @@
-"""URL map: admin, REST API, dashboard and Prometheus metrics."""
+"""FairQueue's URLs, for a project to include under any prefix:
 
-from django.contrib import admin
+    path("fq/", include("fairqueue.urls"))
+
+the index page (links to the dashboard, the admin and the API docs), the REST API
+(`api/v1/`, its docs at `api/v1/docs`), the live dashboard and Prometheus's `metrics`.
+"""
+
 from django.urls import include, path
 
+from fairqueue import views
 from fairqueue.jobs.api import api
+from fairqueue.mount import API_PATH, INDEX_URL_NAME
 
 urlpatterns = [
-    path("admin/", admin.site.urls),
-    path("api/v1/", api.urls),
+    path("", views.index, name=INDEX_URL_NAME),
+    path(API_PATH, api.urls),
     path("", include("dashboard.urls")),
     path("", include("django_prometheus.urls")),
 ]
-
-# A database outage answers 503 with Retry-After wherever it strikes, never a 500 page.
-handler500 = "fairqueue.jobs.unavailable.server_error"

@@ -284,6 +284,13 @@ class TenantAdmin(PolicyHistoryAdmin, TenantWhatIfMixin):
         ),
         ("Scheduling", {"fields": ["default_latency_class", "batch_enabled"]}),
         (
+            "Quotas",
+            {
+                "fields": ["backlog_quota", "batch_backlog_quota", "submit_rate"],
+                "description": "Past these a submit answers 429 with a Retry-After; empty takes the pool's default.",
+            },
+        ),
+        (
             "API key",
             {
                 "fields": ["api_key_prefix", "api_key_rotated_at"],
@@ -490,6 +497,8 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         "default_job_seconds",
         "batch_objective_seconds",
         "floor_headroom",
+        "quarantine_after_losses",
+        "quarantine_slots",
         "updated_at",
     ]
     readonly_fields = ["updated_at"]
@@ -497,7 +506,12 @@ class PoolSettingsAdmin(PolicyHistoryAdmin, PoolWhatIfMixin):
         ("Pool pressure", {"fields": ["target_utilisation", "f_min", "f_max"]}),
         ("Rate estimate", {"fields": ["rate_window_seconds", "default_job_seconds"]}),
         ("Floors", {"fields": ["floor_headroom"]}),
+        (
+            "Quotas and memory",
+            {"fields": ["backlog_quota", "batch_backlog_quota", "submit_rate", "submit_burst", "memory_guard_pct"]},
+        ),
         ("Batch lane", {"fields": ["batch_objective_seconds"]}),
+        ("Quarantine lane", {"fields": ["quarantine_after_losses", "quarantine_poison_losses", "quarantine_slots"]}),
         REASON_FIELDSET,
         (None, {"fields": ["updated_at"]}),
     ]

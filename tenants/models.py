@@ -113,6 +113,19 @@ class Tenant(models.Model):
         validators=[MinValueValidator(0.01), MaxValueValidator(1.0)],
         help_text="Default cap of an unregistered sub-tenant, as a share of the tenant's limit.",
     )
+    # Backlog quotas and the submission rate: empty takes the pool's default (PoolSettings).
+    backlog_quota = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most jobs that may wait at once (not batch). Empty = the pool's default."
+    )
+    batch_backlog_quota = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most batch-lane jobs that may wait at once. Empty = the pool's default."
+    )
+    submit_rate = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.0)],
+        help_text="Jobs per second the tenant may submit (a token bucket); 0 = no limit. Empty = the pool's default.",
+    )
     api_key_prefix = models.CharField(max_length=API_KEY_PREFIX_LEN, unique=True, null=True, blank=True, editable=False)
     api_key_hash = models.CharField(max_length=64, blank=True, editable=False)
     api_key_rotated_at = models.DateTimeField(null=True, blank=True, editable=False)
@@ -279,6 +292,51 @@ class PoolSettings(models.Model):
             "one-tenant flood runs on the pool less this many slots. 0: no slot is kept, and a tenant below its "
             "floor waits at most for one job to end."
         ),
+    )
+    quarantine_after_losses = models.PositiveSmallIntegerField(
+        default=1,
+        help_text=(
+            "Worker deaths under a job (a SIGKILL, an OOM kill, a lease that ran out without a hand-back) that move "
+            "it to the quarantine lane, run only by workers started for it (manage.py worker --quarantine). "
+            "0: no lane; a job fails as worker_lost after FAIRQUEUE_POISON_PILL_LIMIT deaths."
+        ),
+    )
+    quarantine_poison_losses = models.PositiveSmallIntegerField(
+        default=2,
+        validators=[MinValueValidator(1)],
+        help_text="Further worker deaths in the quarantine lane after which a job fails as a poison pill.",
+    )
+    quarantine_slots = models.PositiveIntegerField(
+        default=1,
+        help_text=(
+            "Quarantined jobs that may run at once, per shard (an engine key each such job holds with its tenant's "
+            "keys; beyond it they wait in fair order). 0: none run (the lane is paused)."
+        ),
+    )
+    backlog_quota = models.PositiveIntegerField(
+        default=100_000,
+        help_text="Most jobs a tenant may have waiting at once (not batch); a submit past it answers 429. "
+        "A tenant's own value overrides it.",
+    )
+    batch_backlog_quota = models.PositiveIntegerField(
+        default=1_000_000,
+        help_text="Most batch-lane jobs a tenant may have waiting at once, counted apart from the others.",
+    )
+    submit_rate = models.FloatField(
+        default=0.0,
+        validators=[MinValueValidator(0.0)],
+        help_text="Jobs per second a tenant may submit (a token bucket of `submit_burst`); 0 = no limit.",
+    )
+    submit_burst = models.PositiveIntegerField(
+        default=1000,
+        validators=[MinValueValidator(1)],
+        help_text="The token bucket's size: jobs a tenant may submit at once after a pause.",
+    )
+    memory_guard_pct = models.FloatField(
+        default=80.0,
+        validators=[MinValueValidator(1.0), MaxValueValidator(100.0)],
+        help_text="Share of the engine Redis's maxmemory past which new waiting jobs are refused, the largest "
+        "backlogs first (tenants below their floor are still admitted). 100 = off.",
     )
     updated_at = models.DateTimeField(auto_now=True)
     history = _policy_history()

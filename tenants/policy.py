@@ -37,6 +37,11 @@ MARKER_MAX_AGE_SECONDS = 1.0
 RESYNC_LOCK_SECONDS = 10
 RESYNC_WAIT_SECONDS = 5.0  # how long a process with no snapshot waits for another's resync
 DEFAULT_CLASS = "default"
+# PoolSettings' defaults of the quotas and the memory guard (mirrored here for a missing hash).
+DEFAULT_BACKLOG_QUOTA = 100_000
+DEFAULT_BATCH_BACKLOG_QUOTA = 1_000_000
+DEFAULT_SUBMIT_BURST = 1000
+DEFAULT_MEMORY_GUARD_PCT = 80.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,10 @@ class TenantPolicy:
     sub_tenant_share: float
     version: int
     max_fan_out: int = DEFAULT_MAX_FAN_OUT  # children of one parent job running at once
+    # Backlog quotas and the submission rate (jobs/s); None takes the pool's (PoolPolicy).
+    backlog_quota: int | None = None
+    batch_backlog_quota: int | None = None
+    submit_rate: float | None = None
 
     @classmethod
     def plain(cls, slug: str, *, shard: str, **overrides: Any) -> TenantPolicy:
@@ -97,7 +106,14 @@ class TenantPolicy:
             sub_tenant_share=float(data.get("sub_tenant_share") or 0.5),
             version=int(data.get("version") or 0),
             max_fan_out=int(data.get("max_fan_out") or DEFAULT_MAX_FAN_OUT),
+            backlog_quota=_int_or_none(data.get("backlog_quota")),
+            batch_backlog_quota=_int_or_none(data.get("batch_backlog_quota")),
+            submit_rate=float(data["submit_rate"]) if data.get("submit_rate") else None,
         )
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    return int(raw) if raw else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +164,14 @@ class PoolPolicy:
     default_job_seconds: float = 1.0
     batch_objective_seconds: int = 12 * 3600
     floor_headroom: int = 0
+    quarantine_after_losses: int = 1
+    quarantine_poison_losses: int = 2
+    quarantine_slots: int = 1
+    backlog_quota: int = DEFAULT_BACKLOG_QUOTA
+    batch_backlog_quota: int = DEFAULT_BATCH_BACKLOG_QUOTA
+    submit_rate: float = 0.0
+    submit_burst: int = DEFAULT_SUBMIT_BURST
+    memory_guard_pct: float = DEFAULT_MEMORY_GUARD_PCT
     version: int = 0
 
     @classmethod
@@ -162,8 +186,28 @@ class PoolPolicy:
             default_job_seconds=float(data["default_job_seconds"]),
             batch_objective_seconds=int(data["batch_objective_seconds"]),
             floor_headroom=int(data.get("floor_headroom") or 0),
+            # A pool hash written before the lane existed: its defaults.
+            quarantine_after_losses=int(data.get("quarantine_after_losses", 1)),
+            quarantine_poison_losses=int(data.get("quarantine_poison_losses", 2)),
+            quarantine_slots=int(data.get("quarantine_slots", 1)),
+            backlog_quota=int(data.get("backlog_quota") or DEFAULT_BACKLOG_QUOTA),
+            batch_backlog_quota=int(data.get("batch_backlog_quota") or DEFAULT_BATCH_BACKLOG_QUOTA),
+            submit_rate=float(data.get("submit_rate") or 0.0),
+            submit_burst=int(data.get("submit_burst") or DEFAULT_SUBMIT_BURST),
+            memory_guard_pct=float(data.get("memory_guard_pct") or DEFAULT_MEMORY_GUARD_PCT),
             version=int(data.get("version") or 0),
         )
+
+    def backlog_quota_of(self, tenant: TenantPolicy, *, batch: bool) -> int:
+        """The most jobs of `tenant`'s lane that may wait at once: its own, else the pool's."""
+        own = tenant.batch_backlog_quota if batch else tenant.backlog_quota
+        if own is not None:
+            return own
+        return self.batch_backlog_quota if batch else self.backlog_quota
+
+    def submit_rate_of(self, tenant: TenantPolicy) -> float:
+        """Jobs per second `tenant` may submit (0: no limit)."""
+        return tenant.submit_rate if tenant.submit_rate is not None else self.submit_rate
 
 
 @dataclass(frozen=True)

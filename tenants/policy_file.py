@@ -6,14 +6,18 @@ The document (objects are keyed by name, so a reviewed diff reads as the change)
 
     format: fairqueue-policy/1
     pool: {target_utilisation: 0.85, f_min: 0.25, f_max: 4.0, rate_window_seconds: 300,
-           default_job_seconds: 1.0, batch_objective_seconds: 43200, floor_headroom: 0}
+           default_job_seconds: 1.0, batch_objective_seconds: 43200, floor_headroom: 0,
+           quarantine_after_losses: 1, quarantine_poison_losses: 2, quarantine_slots: 1,
+           backlog_quota: 100000, batch_backlog_quota: 1000000, submit_rate: 0.0, submit_burst: 1000,
+           memory_guard_pct: 80.0}
     shards: {default: {capacity: 100}}
     latency_classes: {critical: {objective_seconds: 60, rank: 40}, ...}
     resources: {llm-a: {limit: 10, decrease_factor: 0.5, increase_per_success: 0.2, recovery_seconds: 10.0}}
     tenants:
       acme: {name: Acme, active: true, shard: default, floor: 2, burst_floor: 2, burst_pct: 0.5,
              max_concurrency: null, dedicated: 0, batch_enabled: false, default_latency_class: null,
-             sub_tenant_share: 0.5, max_fan_out: 10, webhook_url: "", sub_tenants: {clinic-9: 4}}
+             sub_tenant_share: 0.5, max_fan_out: 10, webhook_url: "", backlog_quota: null,
+             batch_backlog_quota: null, submit_rate: null, sub_tenants: {clinic-9: 4}}
 
 A field left out keeps its value (a new object takes the model's default); an object left
 out is kept, unless the file is applied with `prune`, which deletes it. No secrets: API
@@ -51,6 +55,14 @@ POOL_FIELDS = (
     "default_job_seconds",
     "batch_objective_seconds",
     "floor_headroom",
+    "quarantine_after_losses",
+    "quarantine_poison_losses",
+    "quarantine_slots",
+    "backlog_quota",
+    "batch_backlog_quota",
+    "submit_rate",
+    "submit_burst",
+    "memory_guard_pct",
 )
 SHARD_FIELDS = ("capacity",)
 CLASS_FIELDS = ("objective_seconds", "rank")
@@ -69,6 +81,9 @@ TENANT_FIELDS = (
     "sub_tenant_share",
     "max_fan_out",
     "webhook_url",
+    "backlog_quota",
+    "batch_backlog_quota",
+    "submit_rate",
 )
 SUB_TENANTS = "sub_tenants"
 SECTIONS = ("format", "pool", "shards", "latency_classes", "resources", "tenants")

@@ -1,7 +1,7 @@
 """The client of the engine's Redis, shared by the tenants app and the jobs side.
 
 Policy, the worker registry, stats and live signals live beside the engine's state, on the
-server (or Redis Cluster) that FAIRQUEUE_ENGINE_URL names, REDIS_URL when it is empty. One
+server (or Redis Cluster) that FAIRQUEUE["ENGINE_URL"] names, REDIS_URL when it is empty. One
 client per URL and process, created on first use: a changed setting (tests pointing at
 another server) takes effect without restarting the process.
 """
@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import functools
 
-from django.conf import settings
-
+from fairqueue.conf import engine_url
 from fairqueue.engine.cluster import Client, connect
 
 # Fail fast when Redis is unreachable: callers fall back (jobs stay queued, the last known
 # policy is used) instead of hanging.
 TIMEOUTS = {"socket_connect_timeout": 2.0, "socket_timeout": 5.0, "health_check_interval": 30}
-
-
-def engine_url() -> str:
-    """Where the engine's state lives (FAIRQUEUE_ENGINE_URL, else REDIS_URL)."""
-    return settings.FAIRQUEUE_ENGINE_URL or settings.REDIS_URL
 
 
 @functools.cache

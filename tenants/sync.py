@@ -60,6 +60,9 @@ def tenant_policy_mapping(*, tenant: Tenant) -> dict[str, str]:
         "batch_enabled": _flag(tenant.batch_enabled),
         "default_class": tenant.default_latency_class.name if tenant.default_latency_class else "",
         "sub_tenant_share": repr(float(tenant.sub_tenant_share)),
+        "backlog_quota": "" if tenant.backlog_quota is None else str(tenant.backlog_quota),
+        "batch_backlog_quota": "" if tenant.batch_backlog_quota is None else str(tenant.batch_backlog_quota),
+        "submit_rate": "" if tenant.submit_rate is None else repr(float(tenant.submit_rate)),
     }
 
 
@@ -95,6 +98,14 @@ def _pool_mapping(pool: PoolSettings) -> dict[str, str]:
         "default_job_seconds": repr(float(pool.default_job_seconds)),
         "batch_objective_seconds": str(pool.batch_objective_seconds),
         "floor_headroom": str(pool.floor_headroom),
+        "quarantine_after_losses": str(pool.quarantine_after_losses),
+        "quarantine_poison_losses": str(pool.quarantine_poison_losses),
+        "quarantine_slots": str(pool.quarantine_slots),
+        "backlog_quota": str(pool.backlog_quota),
+        "batch_backlog_quota": str(pool.batch_backlog_quota),
+        "submit_rate": repr(float(pool.submit_rate)),
+        "submit_burst": str(pool.submit_burst),
+        "memory_guard_pct": repr(float(pool.memory_guard_pct)),
     }
 
 

@@ -171,6 +171,14 @@ def policy_from_rows(
             default_job_seconds=pool.default_job_seconds,
             batch_objective_seconds=pool.batch_objective_seconds,
             floor_headroom=pool.floor_headroom,
+            quarantine_after_losses=pool.quarantine_after_losses,
+            quarantine_poison_losses=pool.quarantine_poison_losses,
+            quarantine_slots=pool.quarantine_slots,
+            backlog_quota=pool.backlog_quota,
+            batch_backlog_quota=pool.batch_backlog_quota,
+            submit_rate=pool.submit_rate,
+            submit_burst=pool.submit_burst,
+            memory_guard_pct=pool.memory_guard_pct,
         ),
     )
 

@@ -4,8 +4,25 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from tenants.models import Shard, Tenant
+from tenants.models import PoolSettings, Shard, Tenant
 from tenants.policy import policy_invalidate
+from tenants.sync import policy_sync_all
+
+
+def pool_set(**fields: object) -> None:
+    """Change pool settings and mirror them into Redis now."""
+    pool = PoolSettings.load()
+    for name, value in fields.items():
+        setattr(pool, name, value)
+    pool.save()
+    policy_sync_all()
+    policy_invalidate()
+
+
+def quarantine_lane_off() -> None:
+    """No quarantine lane: a job its worker died under runs again on any worker (and fails
+    after FAIRQUEUE_POISON_PILL_LIMIT deaths), for tests of re-delivery to a survivor."""
+    pool_set(quarantine_after_losses=0)
 
 
 def make_tenant(

@@ -34,6 +34,7 @@ from fairqueue.queues import (
 )
 from tests import test_jobs_e2e as e2e
 from tests.base import RedisTestCase
+from tests.factories import quarantine_lane_off
 from tests.rabbitmq import RabbitMQBrokerMixin, Vhost
 from tests.test_bench_noisy import bench_noisy_run, bench_redis_url
 from tests.workers import WorkerProcess, wait_for
@@ -140,6 +141,7 @@ class WorkerLossOnRabbitMQTests(RabbitMQBrokerMixin, e2e.WorkerLossTests):
 
     def test_the_brokers_own_redelivery_never_runs_a_job_twice(self) -> None:
         _, key = e2e._tenant("fragile-amqp")
+        quarantine_lane_off()  # this test is about re-delivery to a normal survivor
         lease = {"FAIRQUEUE_LEASE_SECONDS": "2"}
         with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "LEASE_SECONDS": 2.0}):
             workers = {w.hostname: w for w in (WorkerProcess(slots=1, **lease).start() for _ in range(2))}

@@ -23,7 +23,8 @@ from tests.factories import make_tenant
 
 
 def _from_database() -> dict[str, tuple[int, float]]:
-    """Every cell as the database says: (waiting, oldest time a job became due)."""
+    """Every cell as the database says: (waiting, oldest time a job became due; 0 for a
+    tenant's parked cell, which is a count alone)."""
     found: dict[str, list[float]] = {}
     for job in Job.objects.select_related("tenant__shard").filter(status__in=[JobStatus.QUEUED, JobStatus.PARKED]):
         cls = cells.job_class(job)
@@ -32,7 +33,7 @@ def _from_database() -> dict[str, tuple[int, float]]:
             names.append(cells.parked_cell(job.tenant.slug, cls))
         for name in names:
             found.setdefault(name, []).append((job.due_at or job.submitted_at).timestamp())
-    return {name: (len(ts), min(ts)) for name, ts in found.items()}
+    return {name: (len(ts), 0.0 if name.startswith("p|") else min(ts)) for name, ts in found.items()}
 
 
 class CellsTestCase(RedisTestCase):
@@ -135,11 +136,12 @@ class CellsScriptBulkTests(RedisTestCase):
     def apply(self, prefix: str, ops: list[list[object]], *, one_call: bool) -> None:
         calls = [[a for op in ops for a in op]] if one_call else ops
         for args in calls:
-            self.redis.eval(cells._SOURCE, 1, prefix, *args)
+            self.redis.eval(cells.SOURCE, 1, prefix, *args)
 
     def state(self, prefix: str) -> dict[str, object]:
         out: dict[str, object] = {"summary": self.redis.hgetall(prefix + "summary")}
         out["of"] = self.redis.hgetall(prefix + "of")
+        out["counted"] = self.redis.hgetall(prefix + "counted")
         for key in self.redis.scan_iter(match=prefix.replace("{", "[{]").replace("}", "[}]") + "z:*"):
             out[key.decode()[len(prefix) :]] = self.redis.zrange(key, 0, -1, withscores=True)
         out["changes"] = self.redis.zrange(prefix + "changes", 0, -1)
@@ -159,7 +161,8 @@ class CellsScriptBulkTests(RedisTestCase):
         self.assertEqual(one, {**each, "changes": one["changes"]})
         self.assertEqual(sorted(one["changes"]), sorted(each["changes"]))  # the same cells changed
         self.assertEqual(one["summary"][b"c|s|default"], b"17 100.5")
-        self.assertEqual(one["summary"][b"p|a|default"], b"3 101.5")
+        self.assertEqual(one["summary"][b"p|a|default"], b"3")  # a parked cell: a count alone
+        self.assertNotIn("z:p|a|default", one)
         self.assertNotIn(b"c|s|batch", one["summary"])
         self.assertIn("z:c|s|default", one)
 
@@ -352,7 +355,7 @@ class CellsScriptTests(RedisTestCase):
     def apply(self, *calls: list[list[object]]) -> None:
         client = redis_client()
         for ops in calls:
-            client.eval(cells._SOURCE, 1, cells.PREFIX, *(a for op in ops for a in op))
+            client.eval(cells.SOURCE, 1, cells.PREFIX, *(a for op in ops for a in op))
 
     def test_operations_in_one_call_leave_what_one_call_each_leaves(self) -> None:
         self.apply(*[[op] for op in self.OPS])
@@ -362,9 +365,27 @@ class CellsScriptTests(RedisTestCase):
         self.assertEqual(self.state(), one_each)
         summary = one_each[0]
         self.assertEqual(summary["c|s|a"], "1 10.5")  # j1 only (j2 left, j3 moved)
-        self.assertEqual(summary["p|x|a"], "1 10.5")
+        self.assertEqual(summary["p|x|a"], "1")  # j1 (j3 unparked): a count alone
         self.assertEqual(summary["c|s|b"], "1 12")
         self.assertNotIn("t|y|a", summary)
+
+    def test_a_parked_cell_counts_each_job_once_whatever_repeats(self) -> None:
+        self.apply(
+            [
+                ["set", "j1", "10", 3, "c|s|a", "t|x|a", "p|x|a"],
+                ["set", "j1", "10", 3, "c|s|a", "t|x|a", "p|x|a"],  # a repeated entry
+                ["park", "j1", "10", "p|x|a"],  # a late mark of a job counted already
+                ["set", "j2", "11", 2, "c|s|a", "t|x|a"],
+                ["park", "j2", "11", "p|x|a"],
+                ["park", "gone", "12", "p|x|a"],  # in no cell: not counted
+            ]
+        )
+        self.assertEqual(self.state()[0]["p|x|a"], "2")
+        self.apply([["unpark", "j1"], ["unpark", "j1"], ["del", "j2"], ["del", "j2"]])
+        summary, sets, _ = self.state()
+        self.assertNotIn("p|x|a", summary)
+        self.assertEqual(redis_client().hgetall(cells.PREFIX + "counted"), {})
+        self.assertNotIn(cells.PREFIX + "z:p|x|a", sets)
 
     def test_a_call_stopped_by_an_unknown_operation_keeps_its_applied_operations_summaries(self) -> None:
         applied = self.OPS[:3]

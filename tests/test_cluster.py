@@ -82,7 +82,7 @@ class OnCluster:
 
     def setUp(self) -> None:
         cluster().flush_all()
-        self._engine_url = override_settings(FAIRQUEUE_ENGINE_URL=cluster().url)
+        self._engine_url = override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "ENGINE_URL": cluster().url})
         self._engine_url.enable()
         policy_invalidate()
         live.live_invalidate()
@@ -106,7 +106,7 @@ class EngineBehaviourOnClusterTests(test_engine_api.EngineBehaviour):
         self.e = Engine(connect(cluster().url))
         self.assertIsInstance(self.e.client, RedisCluster, "a cluster node is detected from its URL")
         # Management commands (engine_libraries) use the engine's role too.
-        self._engine_url = override_settings(FAIRQUEUE_ENGINE_URL=cluster().url)
+        self._engine_url = override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "ENGINE_URL": cluster().url})
         self._engine_url.enable()
         self.addCleanup(self._engine_url.disable)
 

@@ -37,7 +37,7 @@ from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.stats import stats_read
 from fairqueue.jobs.submission import JobRequest, job_submit
 from tests.base import RedisTestCase
-from tests.factories import make_tenant
+from tests.factories import make_tenant, quarantine_lane_off
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
@@ -287,6 +287,7 @@ class PullEndToEndTests(E2EBase):
 
     def test_a_worker_killed_while_running_a_pulled_job_runs_no_job_twice_and_strands_none(self) -> None:
         _, key = make_tenant("pullkill", floor=CHAIN_JOBS)
+        quarantine_lane_off()  # this test is about re-delivery to a normal survivor
         env = {"FAIRQUEUE_LEASE_SECONDS": "1", "FAIRQUEUE_VISIBILITY_TIMEOUT": "2"}
         ids = [self.submit(key, {"task": "demo.sleep", "args": {"seconds": 0.6}})["id"] for _ in range(CHAIN_JOBS)]
         with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "LEASE_SECONDS": 1.0}):
@@ -392,6 +393,7 @@ class HandoffEndToEndTests(E2EBase):
 
     def test_a_worker_killed_mid_chain_runs_no_job_twice_and_its_redelivered_message_is_skipped(self) -> None:
         _, key = make_tenant("killed", max_concurrency=1)
+        quarantine_lane_off()  # this test is about re-delivery to a normal survivor
         env = {"FAIRQUEUE_LEASE_SECONDS": "1", "FAIRQUEUE_VISIBILITY_TIMEOUT": "2"}
         with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "LEASE_SECONDS": 1.0}):
             victim = WorkerProcess(slots=1, name="victim", **env).start()

@@ -389,7 +389,14 @@ class ParkedTests(ApiTestCase):
             self.assertEqual(detail["status"], "parked")
             self.assertEqual(
                 detail["waiting_on"],
-                {"key": tenant_key("narrow"), "limit": 1, "holders": 1, "position": position, "document": None},
+                {
+                    "key": tenant_key("narrow"),
+                    "lane": None,
+                    "limit": 1,
+                    "holders": 1,
+                    "position": position,
+                    "document": None,
+                },
                 detail,
             )
 

@@ -14,6 +14,7 @@ from fairqueue.jobs.recovery import state_ensure
 from tenants.models import Shard, Tenant
 from tenants.policy import policy_invalidate
 from tests.base import RedisTransactionTestCase
+from tests.factories import quarantine_lane_off
 from tests.workers import WorkerProcess, kill_all_workers, wait_for
 
 
@@ -165,6 +166,7 @@ def _uuid(value: object) -> object:
 class WorkerLossTests(E2EBase):
     def test_a_worker_killed_mid_job_still_ends_succeeded_exactly_once(self) -> None:
         _, key = _tenant("fragile")
+        quarantine_lane_off()  # this test is about re-delivery to a normal survivor
         lease = {"FAIRQUEUE_LEASE_SECONDS": "2"}
         # The engine's state ready before any submit: a worker's first tick that found it not
         # ready would rebuild it under the job and admit it a second time (its timeline below).

@@ -277,6 +277,29 @@ class WorkerCommandTests(E2EBase):
             proc.terminate()
             proc.wait(30)
 
+    def test_a_worker_of_the_projects_own_queue_is_no_fairqueue_worker(self) -> None:
+        """`celery -A <project> worker -Q <its own queue>` consumes none of FairQueue's queues:
+        it offers no slots to the fleet and never takes the duty lease."""
+        hostname = f"own-{uuid.uuid4().hex[:6]}@localhost"
+        log_path = LOG_DIR / f"{hostname.split('@')[0]}.log"
+        log = log_path.open("wb")
+        argv = ["-m", "celery", "-A", "fairqueue", "worker", "-Q", "project.own", "-n", hostname, "-P", "threads"]
+        proc = subprocess.Popen(
+            [sys.executable, *argv, "-l", "info"],
+            cwd=ROOT,
+            env=worker_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for(lambda: "not a FairQueue worker" in log_path.read_text(), timeout=60, message="worker ready")
+            with WorkerProcess(slots=2) as fairqueue_worker:
+                wait_for(lambda: self.redis.hget("fq:workers:slots", fairqueue_worker.hostname), message="registered")
+                self.assertIsNone(self.redis.hget("fq:workers:slots", hostname))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
     def test_a_latency_class_added_or_renamed_in_the_admin_is_run_by_a_running_worker(self) -> None:
         _tenant, key = make_tenant("classy", max_concurrency=1)
         with WorkerProcess(slots=2):

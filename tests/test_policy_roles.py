@@ -77,6 +77,14 @@ class RolesTestCase(RedisTestCase):
                 "default_job_seconds": "1",
                 "batch_objective_seconds": "43200",
                 "floor_headroom": "0",
+                "quarantine_after_losses": "1",
+                "quarantine_poison_losses": "2",
+                "quarantine_slots": "1",
+                "backlog_quota": "100000",
+                "batch_backlog_quota": "1000000",
+                "submit_rate": "0",
+                "submit_burst": "1000",
+                "memory_guard_pct": "80",
             },
         }
 

@@ -28,7 +28,7 @@ SHARED_DB = 5  # REDIS_URL: with every role elsewhere, nothing may land here
 
 _PRINT_ROLES = (
     "from django.conf import settings as s; import json; "
-    "print(json.dumps({'engine': s.FAIRQUEUE_ENGINE_URL, 'broker': s.CELERY_BROKER_URL, "
+    "print(json.dumps({'engine': s.FAIRQUEUE['ENGINE_URL'], 'broker': s.CELERY_BROKER_URL, "
     "'channels': s.CHANNEL_LAYERS['default']['CONFIG']['hosts'][0], 'cache': s.CACHES['default']['LOCATION']}))"
 )
 
@@ -79,7 +79,7 @@ class RoleSettingsTests(SimpleTestCase):
 
     def test_tests_ignore_the_roles_of_the_environment(self) -> None:
         # This process runs `manage.py test`: every role is the test database.
-        self.assertEqual(settings.FAIRQUEUE_ENGINE_URL, "")
+        self.assertEqual(settings.FAIRQUEUE["ENGINE_URL"], "")
         self.assertEqual(settings.CELERY_BROKER_URL, settings.REDIS_URL)
         self.assertEqual(settings.CHANNEL_LAYERS["default"]["CONFIG"]["hosts"], [settings.REDIS_URL])
         self.assertEqual(settings.CACHES["default"]["LOCATION"], settings.REDIS_URL)

@@ -12,7 +12,7 @@ from django.test import Client, override_settings
 from fairqueue.jobs.admission import shard_tag
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.runtime import engine
-from tests.factories import make_tenant
+from tests.factories import make_tenant, quarantine_lane_off
 from tests.test_jobs_e2e import E2EBase, max_overlap
 from tests.workers import WorkerProcess, wait_for
 
@@ -127,6 +127,7 @@ class WorkerShutdownTests(E2EBase):
 class PoisonPillTests(E2EBase):
     def test_a_job_that_kills_its_workers_fails_as_worker_lost_and_can_be_retried(self) -> None:
         _, key = make_tenant("poison")
+        quarantine_lane_off()  # the poison-pill limit without the lane (tests.test_quarantine has the lane's)
         env = {"FAIRQUEUE_LEASE_SECONDS": "1", "FAIRQUEUE_POISON_PILL_LIMIT": "2"}
         with override_settings(FAIRQUEUE=fq(LEASE_SECONDS=1.0, POISON_PILL_LIMIT=2)):
             job = self.submit(key, {"task": "demo.sleep", "args": {"seconds": 30}})

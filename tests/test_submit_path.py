@@ -31,11 +31,13 @@ NOOP = {"task": "demo.noop", "args": {}}
 SUBMITS = 20
 # An admitted submit is one FCALL (the engine runs four commands inside it: the clock, one
 # HMGET, one HSET, the lease ZADD) and one LPUSH of the delivery, plus its entry into its
-# two cells (fairqueue.jobs.cells), an EVALSHA in the FCALL's pipeline (no round trip of
-# its own) that runs thirteen commands inside: the job's cells read and written, per cell
-# its set's ZADD, the summary's ZCARD, ZRANGE and HSET and the changes log's ZADD, and the
-# summary's version (INCR) once (dashboard.snapshot reads only the cells changed since).
-REDIS_PER_ADMITTED_SUBMIT = 6 + 14
+# two cells (fairqueue.jobs.cells), an EVALSHA before the row is written, with its quota
+# checks (fairqueue.jobs.quotas), that runs fifteen commands inside: the tenant's waiting
+# count (HMGET) and the memory guard's cap (GET), the job's cells read and written, per
+# cell its set's ZADD, the summary's ZCARD, ZRANGE and HSET and the changes log's ZADD,
+# and the summary's version (INCR) once (dashboard.snapshot reads only the cells changed
+# since).
+REDIS_PER_ADMITTED_SUBMIT = 6 + 16
 # Once-a-second work any of the submits may fall on (the policy check, the tenant's signals,
 # the submission counters): a bound for the whole run, not per submit.
 REDIS_PERIODIC_ALLOWANCE = 40

@@ -92,7 +92,7 @@ class KeptSnapshotTests(RedisTestCase):
         other = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True)
         job = Job.objects.filter(status=JobStatus.PARKED).first()
         assert job is not None
-        other.eval(cells._SOURCE, 1, cells.PREFIX, "del", str(job.id))
+        other.eval(cells.SOURCE, 1, cells.PREFIX, "del", str(job.id))
         other.close()
         self.assertEqual(self.row(snapshot_build(with_history=False))["waiting"], 1)
 

@@ -71,6 +71,9 @@ class TenantSyncTests(PolicyTestCase):
                 "default_class": "high",
                 "sub_tenant_share": "0.4",
                 "max_fan_out": "25",
+                "backlog_quota": "",
+                "batch_backlog_quota": "",
+                "submit_rate": "",
                 "version": str(self.version()),
             },
         )

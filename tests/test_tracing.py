@@ -23,6 +23,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from fairqueue import tracing
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import Job, JobStatus
+from tests.factories import quarantine_lane_off
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.test_jobs_e2e import E2EBase, _tenant
 from tests.test_web_production import request
@@ -305,6 +306,7 @@ class TracingEndToEndTests(E2EBase):
 
     def test_a_reclaimed_job_shows_the_reclaim_and_its_second_run_in_its_trace(self) -> None:
         _, key = _tenant("fragile")
+        quarantine_lane_off()  # this test is about re-delivery to a normal survivor
         lease = {"FAIRQUEUE_LEASE_SECONDS": "2"}
         with override_settings(FAIRQUEUE={**settings.FAIRQUEUE, "LEASE_SECONDS": 2.0}):
             victim = self.worker(**lease)

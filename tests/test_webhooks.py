@@ -22,7 +22,7 @@ from fairqueue.jobs.dispatch import jobs_redeliver
 from fairqueue.jobs.models import Job, JobStatus
 from tenants.models import Tenant
 from tests.base import RedisTestCase
-from tests.factories import make_tenant
+from tests.factories import make_tenant, quarantine_lane_off
 from tests.test_jobs_e2e import E2EBase
 from tests.test_tenants_admin import AdminTestCase, tenant_form
 from tests.workers import WorkerProcess, wait_for
@@ -201,6 +201,7 @@ class TargetTests(RedisTestCase):
     def test_a_job_failed_by_the_poison_pill_limit_gets_its_event_with_the_status(self) -> None:
         with self.captureOnCommitCallbacks(execute=True):
             tenant, _ = make_tenant("pills", webhook_url="https://example.com/hooks")
+        quarantine_lane_off()  # the poison-pill limit without the lane
         limit = settings.FAIRQUEUE["POISON_PILL_LIMIT"]
         job = Job.objects.create(
             tenant=tenant, task="demo.noop", latency_class="default", status=JobStatus.RUNNING, worker_losses=limit - 1

@@ -61,10 +61,23 @@ atexit.register(kill_all_workers)
 class WorkerProcess:
     """One `manage.py worker` subprocess with `slots` thread slots."""
 
-    def __init__(self, *, slots: int = 4, name: str | None = None, argv_prefix: Sequence[str] = (), **env: str) -> None:
-        """`argv_prefix` runs the worker through another command (e.g. in a network namespace)."""
+    def __init__(
+        self,
+        *,
+        slots: int = 4,
+        name: str | None = None,
+        argv_prefix: Sequence[str] = (),
+        options: Sequence[str] = (),
+        quarantine: bool = False,
+        **env: str,
+    ) -> None:
+        """`argv_prefix` runs the worker through another command (e.g. in a network namespace);
+        `options` are more of `manage.py worker`'s (`--events`, say); `quarantine`: a worker of
+        the quarantine lane only (`manage.py worker --quarantine`)."""
         self.slots = slots
+        self.quarantine = quarantine
         self.argv_prefix = list(argv_prefix)
+        self.options = list(options)
         self.hostname = f"{name or 'test'}-{uuid.uuid4().hex[:6]}@localhost"
         self.env = worker_env(**env)
         self.proc: subprocess.Popen[bytes] | None = None
@@ -74,7 +87,12 @@ class WorkerProcess:
     def start(self, timeout: float = 30.0) -> WorkerProcess:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [*self.argv_prefix, *worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info")],
+            [
+                *self.argv_prefix,
+                *worker_argv(hostname=self.hostname, slots=self.slots, loglevel="info"),
+                *self.options,
+                *(["--quarantine"] if self.quarantine else []),
+            ],
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from fairqueue.jobs import payloads
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job
+from fairqueue.mount import job_path
 from webhooks.models import WebhookEvent
 
 # A result up to this size travels in the event; a larger one is fetched from the API.
@@ -78,7 +79,7 @@ def event_payload(event: WebhookEvent, job: Job) -> dict[str, Any]:
         "finished_at": _iso(job.finished_at),
         "error_reason": job.error_reason or None,
         "error": (job.error or "")[:ERROR_INLINE_MAX] or None,
-        "url": f"/api/v1/jobs/{job.id}",
+        "url": job_path(job.id),
         "result": None,
         "result_truncated": False,
     }

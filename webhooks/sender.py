@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from fairqueue.conf import fq_settings
 from webhooks.models import DeliveryOutcome, EventState, WebhookDelivery, WebhookEvent
 from webhooks.signing import EVENT_ID_HEADER, SIGNATURE_HEADER, signature_header
 from webhooks.targets import Target, TargetRefused, target_resolve
@@ -39,7 +39,7 @@ USER_AGENT = "FairQueue-Webhooks/1"
 
 
 def _conf(name: str) -> float:
-    return float(settings.FAIRQUEUE["WEBHOOKS"][name])
+    return float(getattr(fq_settings().WEBHOOKS, name))
 
 
 def backoff_seconds(attempt: int) -> float:
@@ -67,13 +67,13 @@ class _Senders:
 
     def free(self) -> int:
         with self._lock:
-            return int(settings.FAIRQUEUE["WEBHOOKS"]["SENDERS"]) - len(self.in_hand)
+            return int(fq_settings().WEBHOOKS.SENDERS) - len(self.in_hand)
 
     def submit(self, event_id: uuid.UUID, attempt: int) -> None:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    max_workers=int(settings.FAIRQUEUE["WEBHOOKS"]["SENDERS"]), thread_name_prefix="fq-webhook"
+                    max_workers=int(fq_settings().WEBHOOKS.SENDERS), thread_name_prefix="fq-webhook"
                 )
             self.in_hand.add(event_id)
             self._pool.submit(self._run, event_id, attempt)

@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from django.conf import settings
+from fairqueue.conf import fq_settings
 
 URL_MAX = 2000
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -34,7 +34,7 @@ class Target:
 
 def _allowed_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     try:
-        return [ipaddress.ip_network(n, strict=False) for n in settings.FAIRQUEUE["WEBHOOKS"]["ALLOWED_NETWORKS"]]
+        return [ipaddress.ip_network(n, strict=False) for n in fq_settings().WEBHOOKS.ALLOWED_NETWORKS]
     except ValueError as exc:
         raise TargetRefused(f"FAIRQUEUE_WEBHOOK_ALLOWED_NETWORKS is not a list of networks: {exc}") from None
 

@@ -114,6 +114,10 @@ class Workload:
     # Long jobs (--mixed): every noisy job lasts this long (None: drawn like the steady ones).
     noisy_job_s: float | None = None
     headroom: int = 2  # fair_headroom: the pool's floor headroom, in slots
+    # The steady tenants' floor in the FairQueue modes (None: a tenant's default). A floor is
+    # the concurrency a tenant is guaranteed, so the long-jobs workload sizes it to a steady
+    # tenant's peaks: jobs past it are served in fair order, not from the kept slots.
+    quiet_floor: int | None = None
 
     @property
     def slots(self) -> int:
@@ -123,6 +127,10 @@ class Workload:
     def tenants(self) -> int:
         return self.quiet_tenants + 1
 
+
+# A steady tenant of the mixed workload runs 0.2 jobs at once on average (one 0.2 s job a
+# second); it has three or more at once on about 0.1 % of its arrivals (Poisson, M/G/inf).
+MIXED_QUIET_FLOOR = 3
 
 PRESETS: dict[str, Workload] = {
     "default": Workload(),
@@ -148,6 +156,7 @@ PRESETS: dict[str, Workload] = {
         burst_chunks=1,
         steady_s=80.0,
         noisy_job_s=20.0,
+        quiet_floor=MIXED_QUIET_FLOOR,
     ),
     "mixed-quick": Workload(
         quiet_rate_per_s=1.0,
@@ -160,6 +169,7 @@ PRESETS: dict[str, Workload] = {
         burst_chunks=1,
         steady_s=20.0,
         noisy_job_s=8.0,
+        quiet_floor=MIXED_QUIET_FLOOR,
     ),
     "mixed-smoke": Workload(
         workers=1,
@@ -176,6 +186,7 @@ PRESETS: dict[str, Workload] = {
         steady_s=5.0,
         noisy_job_s=2.0,
         headroom=1,
+        quiet_floor=MIXED_QUIET_FLOOR,
     ),
     "smoke": Workload(
         workers=1,
@@ -778,6 +789,8 @@ def _policy_setup(mode: str, w: Workload) -> dict[str, str]:
             share = max(w.slots // w.tenants, 1)
             tenant.floor = tenant.max_concurrency = share
             tenant.burst_floor, tenant.burst_pct = 0, 0.0
+        elif w.quiet_floor is not None and slug.startswith(QUIET_PREFIX):
+            tenant.floor = w.quiet_floor
         # fair, fair_no_burst, fair_shared_shard: the defaults (fifo never reads policy)
         keys[slug] = tenant.rotate_api_key()
         tenant.save()

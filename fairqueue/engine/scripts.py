@@ -22,7 +22,10 @@ from typing import Any
 
 from .cluster import primary_clients
 
-LUA_DIR = Path(__file__).resolve().parent.parent.parent / "lua"
+# An installed FairQueue carries the scripts in the package (the wheel maps the repository's
+# top-level lua/ to fairqueue/engine/lua); a checkout finds them at the top level.
+_PACKAGED_LUA = Path(__file__).resolve().parent / "lua"
+LUA_DIR = _PACKAGED_LUA if _PACKAGED_LUA.is_dir() else Path(__file__).resolve().parents[2] / "lua"
 
 #: Every operation of the engine, one ``lua/<name>.lua`` each.
 OPERATIONS: tuple[str, ...] = (

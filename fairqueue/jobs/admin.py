@@ -1,4 +1,5 @@
-"""Jobs in the admin: find any job by tenant, status or failure reason; retry failed ones."""
+"""Jobs in the admin: find any job by tenant, status or failure reason; retry failed ones;
+list the quarantine lane and send a job back to the normal lane or fail it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,27 @@ from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import seconds_text
-from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
+from fairqueue.jobs.models import TERMINAL_STATUSES, Job, JobStatus, LedgerEntry
+from fairqueue.jobs.quarantine_actions import jobs_quarantine_fail, jobs_quarantine_send_back
 from webhooks.admin import WebhookDeliveryInline
+
+
+class QuarantineFilter(admin.SimpleListFilter):
+    """The quarantine lane: unfinished jobs in it (the operators' list), or every job ever
+    moved there."""
+
+    title = "quarantine lane"
+    parameter_name = "quarantined"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin[Job]) -> list[tuple[str, str]]:
+        return [("yes", "In quarantine now"), ("ever", "Ever quarantined")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Job]) -> QuerySet[Job]:
+        if self.value() == "yes":
+            return queryset.filter(quarantined_at__isnull=False).exclude(status__in=sorted(TERMINAL_STATUSES))
+        if self.value() == "ever":
+            return queryset.filter(quarantined_at__isnull=False)
+        return queryset
 
 
 @admin.register(Job)
@@ -28,12 +48,13 @@ class JobAdmin(admin.ModelAdmin):
         "sub_tenant",
         "attempts",
         "worker_losses",
+        "quarantined_at",
         "error_reason",
         "submitted_at",
         "started_at",
         "finished_at",
     )
-    list_filter = ("status", "error_reason", "latency_class", "batch", "tenant")
+    list_filter = ("status", QuarantineFilter, "error_reason", "latency_class", "batch", "tenant")
     search_fields = ("id", "idempotency_key", "sub_tenant", "task")
     date_hierarchy = "submitted_at"
     list_select_related = ("tenant",)
@@ -42,7 +63,7 @@ class JobAdmin(admin.ModelAdmin):
         "attempts_table",
         "lifecycle",
     ]
-    actions = ["retry_jobs"]
+    actions = ["retry_jobs", "quarantine_send_back", "quarantine_fail"]
     inlines = [WebhookDeliveryInline]
     show_full_result_count = False
 
@@ -120,6 +141,7 @@ class JobAdmin(admin.ModelAdmin):
             status=JobStatus.QUEUED,
             generation=F("generation") + 1,
             worker_losses=0,
+            quarantine_losses=0,  # a quarantined job stays in the lane, with its deaths there forgiven
             attempt_failures=0,  # a fresh attempt budget; attempt_history keeps the past ones
             error="",
             error_reason="",
@@ -130,6 +152,22 @@ class JobAdmin(admin.ModelAdmin):
         )
         jobs_admit(list(Job.objects.filter(id__in=failed).select_related("tenant")), enter_cells=True)
         self.message_user(request, f"Re-queued {len(failed)} failed job(s).", messages.SUCCESS)
+
+    @admin.action(description="Send selected quarantined jobs back to the normal lane")
+    def quarantine_send_back(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        moved = jobs_quarantine_send_back(queryset.filter(quarantined_at__isnull=False))
+        self.message_user(
+            request,
+            f"Sent {moved} job(s) back to the normal lane (only quarantined jobs not running are moved).",
+            messages.SUCCESS,
+        )
+
+    @admin.action(description="Fail selected quarantined jobs")
+    def quarantine_fail(self, request: HttpRequest, queryset: QuerySet[Job]) -> None:
+        failed = jobs_quarantine_fail(queryset.filter(quarantined_at__isnull=False))
+        self.message_user(
+            request, f"Failed {failed} quarantined job(s) (only jobs not running are failed).", messages.SUCCESS
+        )
 
 
 @admin.register(LedgerEntry)

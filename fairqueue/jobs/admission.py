@@ -22,6 +22,10 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 # so waiting jobs never eat the shared capacity of wider keys (or inflate in-flight counts).
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
+# Per shard: the quarantine lane's cap (PoolSettings.quarantine_slots), held by quarantined
+# jobs besides their tenant's keys. It sorts after the tenant's keys and before the shard's:
+# a job waiting for a quarantine slot holds no shard slot meanwhile.
+QUARANTINE_KEY = "3:quarantine"
 BATCH_PRIORITY = 0
 # Admitted jobs may outnumber the pool's live slots by this many: a delivery in transit to a
 # worker holds a pool slot it does not use yet. Handoffs and pulls run the next job in the
@@ -193,18 +197,27 @@ def batch_limits(
 
 
 def key_names(
-    *, tenant_slug: str, sub_tenant: str, batch: bool, resources: Sequence[str] = (), document: str = ""
+    *,
+    tenant_slug: str,
+    sub_tenant: str,
+    batch: bool,
+    resources: Sequence[str] = (),
+    document: str = "",
+    quarantined: bool = False,
 ) -> list[str]:
     """A job's key names (admission_plan pairs them with limits). A release passes them to
     the engine as a hint that saves it a read; a stale hint (the job moved lanes) is
-    ignored there. The keys of the outside resources it calls come last here (the engine
-    sorts them first), then a child job's document key (`document`: its parent's id)."""
+    ignored there. The keys of the outside resources it calls come next here (the engine
+    sorts them first), then a child job's document key (`document`: its parent's id), and
+    a quarantined job's lane key last."""
     names = [BATCH_KEY if batch else tenant_key(tenant_slug), SHARD_KEY]
     if sub_tenant:
         names.append(sub_tenant_key(tenant_slug, sub_tenant))
     names += [resource_key(r) for r in resources]
     if document:
         names.append(document_key(document))
+    if quarantined:
+        names.append(QUARANTINE_KEY)
     return names
 
 
@@ -215,12 +228,23 @@ def known_resources(policy: PolicySnapshot, names: Sequence[str]) -> list[str]:
 
 
 def job_placement(
-    *, tenant: TenantPolicy, sub_tenant: str, batch: bool, resources: Sequence[str] = (), document: str = ""
+    *,
+    tenant: TenantPolicy,
+    sub_tenant: str,
+    batch: bool,
+    resources: Sequence[str] = (),
+    document: str = "",
+    quarantined: bool = False,
 ) -> tuple[str, list[str]]:
     """Where a job is admitted now: its engine tag and key names. Stored on the job, so its
     later engine calls go to the same place even if the tenant or shard is renamed or moved."""
     return shard_tag(tenant.shard), key_names(
-        tenant_slug=tenant.slug, sub_tenant=sub_tenant, batch=batch, resources=resources, document=document
+        tenant_slug=tenant.slug,
+        sub_tenant=sub_tenant,
+        batch=batch,
+        resources=resources,
+        document=document,
+        quarantined=quarantined,
     )
 
 
@@ -248,6 +272,7 @@ def admission_plan(
     resource_limits: Mapping[str, int] | None = None,
     pool_room: int | None = None,
     document: tuple[str, int] | None = None,
+    quarantined: bool = False,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
@@ -265,6 +290,9 @@ def admission_plan(
     `document` (a child job's parent id and fan-out cap) adds the document key, capped at
     the fan-out; at the tenant and sub-tenant keys the child's flow is then its document,
     so a tenant's documents share its slots in fair order however many pages each has.
+
+    `quarantined`: the job is in the quarantine lane; it holds the lane's key too, at the
+    pool's `quarantine_slots`, and waits there in fair order (one flow per tenant).
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
@@ -283,8 +311,10 @@ def admission_plan(
     parent = document[0] if document else ""
     if document:
         limits.append(document[1])
+    if quarantined:
+        limits.append(policy.pool.quarantine_slots)
     tag, names = placement or job_placement(
-        tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources, document=parent
+        tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources, document=parent, quarantined=quarantined
     )
     # Fair order where a key is shared: at the shard and batch keys each tenant is a flow,
     # weighted by its floor per second of its jobs (flow_weight); at the tenant key each
@@ -299,6 +329,8 @@ def admission_plan(
     flows += [tenant_flow] * len(resources)  # shared by tenants like the shard: one flow each
     if parent:
         flows.append(("", 1.0))  # the document's own key: its children alone
+    if quarantined:
+        flows.append(tenant_flow)
     keys = [
         KeyLimit(name, limit, flow, weight) for name, limit, (flow, weight) in zip(names, limits, flows, strict=True)
     ]

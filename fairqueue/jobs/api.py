@@ -6,6 +6,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -57,9 +58,6 @@ def _whole_number(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-JsonInteger = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class StrictJSONParser(Parser):
@@ -173,7 +171,10 @@ def error_response(
 
 @api.exception_handler(JobError)
 def _job_error(request: HttpRequest, exc: JobError) -> HttpResponse:
-    return error_response(request, exc.status, exc.code, exc.message, exc.field)
+    response = error_response(request, exc.status, exc.code, exc.message, exc.field)
+    if exc.retry_after is not None:
+        response["Retry-After"] = str(exc.retry_after)
+    return response
 
 
 @api.exception_handler(AuthenticationError)
@@ -183,9 +184,10 @@ def _auth_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
     return response
 
 
-@api.exception_handler(NinjaValidationError)
-def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
-    first: dict[str, Any] = exc.errors[0] if exc.errors else {}
+def validation_error(errors: Sequence[Any]) -> JobError:
+    """The 400 of a request's first validation error (pydantic's or ninja's), naming its field:
+    the REST API's answer, and the in-process API's exception (fairqueue.jobs.inprocess)."""
+    first: dict[str, Any] = dict(errors[0]) if errors else {}
     loc = list(first.get("loc", []))
     if loc and loc[0] in ("body", "query", "path", "header", "cookie", "form", "file"):
         loc = loc[1:]
@@ -195,7 +197,13 @@ def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpRe
     for part in loc:
         field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
     code = "invalid_args" if loc and loc[0] == "args" else "invalid_request"
-    return error_response(request, 400, code, f"{field or 'body'}: {first.get('msg', 'invalid')}.", field or None)
+    return JobError(400, code, f"{field or 'body'}: {first.get('msg', 'invalid')}.", field or None)
+
+
+@api.exception_handler(NinjaValidationError)
+def _validation_error(request: HttpRequest, exc: NinjaValidationError) -> HttpResponse:
+    error = validation_error(exc.errors)
+    return error_response(request, error.status, error.code, error.message, error.field)
 
 
 @api.exception_handler(RequestDataTooBig)
@@ -309,13 +317,18 @@ class JobIn(BaseModel):
         le=MAX_DELAY.total_seconds(),
         description="Start no earlier than this many seconds from now (see run_at). Not with run_at.",
     )
-    # The bounds inside the Annotated, before the validator: given to Field beside it they
-    # reach the schema as `ge`/`le` (no JSON Schema keywords) and the document states no bounds.
-    max_attempts: Annotated[int, Field(ge=1, le=MAX_ATTEMPTS_LIMIT), BeforeValidator(_whole_number)] | None = Field(
+    # A whole number (_whole_number), its bounds ahead of the validator: set after it (on the
+    # field), pydantic writes them into the document as `ge`/`le`, which JSON Schema does not
+    # know (a client, or schemathesis, then takes 0 for a valid value).
+    max_attempts: (
+        Annotated[int, Field(strict=True, ge=1, le=MAX_ATTEMPTS_LIMIT), BeforeValidator(_whole_number)] | None
+    ) = Field(
         None,
-        strict=True,
         description="Lower the task's retry policy to this many attempts in all (1: no retry); "
         "above the task's own max_attempts is refused.",
+        # Strict constraints on an annotated int reach the schema as pydantic's own "ge"/"le"
+        # keywords, which JSON Schema ignores: said again in its words (numbers only).
+        json_schema_extra={"minimum": 1, "maximum": MAX_ATTEMPTS_LIMIT},
     )
 
     def to_request(self) -> JobRequest:
@@ -343,6 +356,9 @@ class BulkIn(BaseModel):
 
 class WaitingOn(BaseModel):
     key: str
+    lane: Literal["quarantine"] | None = Field(
+        None, description="`quarantine`: the job waits for a slot of the quarantine lane (the lane's own cap)."
+    )
     limit: int | None
     holders: int
     position: int | None
@@ -407,7 +423,8 @@ class JobOut(BaseModel):
         None,
         description="Why the job failed: `exception` (the task raised), `timeout` (past its timeout_seconds), "
         "`memory_limit` (an isolated task past its memory limit), `crashed` (an isolated task's process died), "
-        "`worker_lost`, `unknown_task`.",
+        "`worker_lost` (workers kept dying under it), `quarantine_failed` (failed from the quarantine lane by an "
+        "operator), `unknown_task`.",
     )
     timeout_seconds: float | None = Field(
         None, description="The wall-clock limit each attempt runs under: the task's, or the lower one asked at submit."
@@ -420,6 +437,13 @@ class JobOut(BaseModel):
         None, description="Set on GET /jobs/{id} of a job that submitted child jobs: their states."
     )
     waiting_on: WaitingOn | None = None
+    quarantined: bool = Field(
+        False,
+        description="In the quarantine lane: workers died under it (quarantine_reason says how often), so it runs "
+        "only on quarantine workers, under the lane's own concurrency cap.",
+    )
+    quarantined_at: AnswerTime | None = Field(None, description="When worker deaths moved it to quarantine.")
+    quarantine_reason: str | None = Field(None, description="Why it was moved to quarantine.")
     position: int | None = Field(
         None,
         description="Jobs ahead of this one on the key it waits on, in the scheduler's order (0: next); "
@@ -488,6 +512,9 @@ class PoolOut(Schema):
         "other shards hold, so the broker never holds an admitted backlog (null: no worker registered).",
     )
     floor_headroom: int = Field(0, description="Slots kept for tenants below their floor (a pool setting).")
+    quarantine_slots: int = Field(
+        1, description="Jobs of the quarantine lane that may run at once per shard (a pool setting)."
+    )
     flood_utilisation: float = Field(
         1.0, description="The headroom's cost: the share of the pool a tenant above its floor can fill."
     )
@@ -500,6 +527,15 @@ class ResourceLimitOut(Schema):
     effective_exact: float = Field(..., description="The AIMD number behind `effective` (increases are fractions).")
     paused_until: datetime | None = Field(None, description="Set while a retry-after pauses new admissions.")
     refusals: int
+
+
+class QuotasOut(Schema):
+    backlog_quota: int = Field(..., description="Most jobs that may wait at once (not batch); past it a submit is 429.")
+    waiting: int = Field(..., description="Jobs waiting now (queued or parked), not batch.")
+    batch_backlog_quota: int = Field(..., description="Most batch-lane jobs that may wait at once.")
+    batch_waiting: int = Field(..., description="Batch-lane jobs waiting now.")
+    submit_rate: float = Field(..., description="Jobs per second the tenant may submit (0: no limit).")
+    submit_burst: int = Field(..., description="Jobs it may submit at once after a pause (the token bucket's size).")
 
 
 class LimitsOut(Schema):
@@ -529,6 +565,7 @@ class LimitsOut(Schema):
     mean_job_seconds: float
     pool: PoolOut
     resources: list[ResourceLimitOut] = Field(default_factory=list, description="Every outside resource's limits.")
+    quotas: QuotasOut | None = Field(None, description="Backlog quotas and the submission rate (429 past them).")
 
 
 # --- endpoints ----------------------------------------------------------------------------------
@@ -537,10 +574,25 @@ class LimitsOut(Schema):
 def _errors(*statuses: int) -> dict[int, type[ErrorOut]]:
     """The error statuses an operation can answer, all in the one error shape (documented in OpenAPI).
 
-    415 and 413 come from the body parser, 503 from a Redis outage (see `_redis_down`).
+    415 and 413 come from the body parser, 429 from the quotas (fairqueue.jobs.quotas), 503 from a
+    Redis outage (see `_redis_down`).
     """
     return dict.fromkeys(statuses, ErrorOut)
 
+
+# A submit past the tenant's backlog quota, its submission rate or the memory guard's cap
+# (fairqueue.jobs.quotas): nothing was written; retry after the header's seconds.
+_TOO_MANY: dict[str, Any] = {
+    "description": "Too many jobs: the tenant's backlog quota (`backlog_quota_exceeded`), its submission rate "
+    "(`submit_rate_exceeded`) or the scheduler's memory guard (`memory_guard`) refused the request whole; "
+    "nothing was written. Retry after `Retry-After` seconds, with backoff and jitter.",
+    "headers": {
+        "Retry-After": {
+            "description": "Seconds until the request may succeed (from the tenant's drain rate or its rate bucket).",
+            "schema": {"type": "integer", "minimum": 1},
+        }
+    },
+}
 
 # Operation ids: the names a generated client gives its functions, and what links point at.
 SUBMIT_JOB, SUBMIT_JOBS_BULK, LIST_JOBS = "submit_job", "submit_jobs_bulk", "list_jobs"
@@ -614,9 +666,9 @@ def _job_cancel(tenant: Tenant, job_id: str) -> dict[str, Any]:
 
 @api.post(
     "/jobs",
-    response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 503)},
+    response={200: JobOut, 202: JobOut, **_errors(400, 401, 403, 413, 415, 429, 503)},
     operation_id=SUBMIT_JOB,
-    openapi_extra={"responses": {200: {"links": _JOB_LINKS}, 202: {"links": _JOB_LINKS}}},
+    openapi_extra={"responses": {200: {"links": _JOB_LINKS}, 202: {"links": _JOB_LINKS}, 429: _TOO_MANY}},
 )
 async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[str, Any]]:
     """Submit one job. 202 when accepted; 200 with the original job for a repeated idempotency key."""
@@ -625,11 +677,14 @@ async def submit_job(request: HttpRequest, payload: JobIn) -> tuple[int, dict[st
 
 @api.post(
     "/jobs/bulk",
-    response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 503)},
+    response={202: list[JobOut], **_errors(400, 401, 403, 413, 415, 429, 503)},
     operation_id=SUBMIT_JOBS_BULK,
     # The first job's id (a bulk answers its jobs in the order submitted).
     openapi_extra={
-        "responses": {202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)}}
+        "responses": {
+            202: {"links": _links("$response.body#/0/id", GET_JOB, CANCEL_JOB, GET_JOB_WEBHOOKS, LIST_JOBS)},
+            429: _TOO_MANY,
+        }
     },
 )
 async def submit_jobs_bulk(request: HttpRequest, payload: BulkIn) -> HttpResponse:

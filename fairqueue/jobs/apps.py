@@ -3,10 +3,10 @@
 import importlib
 
 from django.apps import AppConfig
-from django.conf import settings
 from django.utils.module_loading import autodiscover_modules
 
 from fairqueue import tracing
+from fairqueue.conf import fq_settings
 
 # The module of an installed app that registers its tasks, as Celery finds `tasks.py`.
 TASKS_MODULE_NAME = "fairqueue_tasks"
@@ -32,9 +32,9 @@ class JobsConfig(AppConfig):
         # Tasks, in the web process and the worker alike: every installed app's
         # `fairqueue_tasks` module, the listed modules, and the demo's in the demo only.
         autodiscover_modules(TASKS_MODULE_NAME)
-        for module in settings.FAIRQUEUE["TASK_MODULES"]:
+        for module in fq_settings().TASK_MODULES:
             importlib.import_module(module)
-        if settings.DEMO_TASKS:
+        if fq_settings().DEMO_TASKS:
             importlib.import_module("fairqueue.jobs.demo_tasks")
         # The jobs side's answers to the tenants admin (providers: tenants imports no jobs code).
         from fairqueue.jobs.moves import tenants_move_preview

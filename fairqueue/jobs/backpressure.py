@@ -31,8 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
-
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.resources import ResourceSample, ResourceSampler
 
 log = logging.getLogger("fairqueue.jobs.backpressure")
@@ -64,18 +63,18 @@ class Thresholds:
 
     @classmethod
     def from_settings(cls) -> Thresholds:
-        conf = settings.FAIRQUEUE["BACKPRESSURE"]
+        conf = fq_settings().BACKPRESSURE
         return cls(
-            memory=Mark(conf["MEMORY_HIGH"], conf["MEMORY_LOW"]),
-            cpu=Mark(conf["CPU_HIGH"], conf["CPU_LOW"]),
+            memory=Mark(conf.MEMORY_HIGH, conf.MEMORY_LOW),
+            cpu=Mark(conf.CPU_HIGH, conf.CPU_LOW),
             pressure={
-                "cpu": Mark(conf["PSI_CPU_HIGH"], conf["PSI_CPU_LOW"]),
-                "memory": Mark(conf["PSI_MEMORY_HIGH"], conf["PSI_MEMORY_LOW"]),
-                "io": Mark(conf["PSI_IO_HIGH"], conf["PSI_IO_LOW"]),
+                "cpu": Mark(conf.PSI_CPU_HIGH, conf.PSI_CPU_LOW),
+                "memory": Mark(conf.PSI_MEMORY_HIGH, conf.PSI_MEMORY_LOW),
+                "io": Mark(conf.PSI_IO_HIGH, conf.PSI_IO_LOW),
             },
-            min_slots=max(1, int(conf["MIN_SLOTS"])),
-            step_seconds=float(conf["STEP_SECONDS"]),
-            recover_seconds=float(conf["RECOVER_SECONDS"]),
+            min_slots=max(1, int(conf.MIN_SLOTS)),
+            step_seconds=float(conf.STEP_SECONDS),
+            recover_seconds=float(conf.RECOVER_SECONDS),
         )
 
     def readings(self, sample: ResourceSample) -> list[tuple[str, float, Mark, str]]:
@@ -172,13 +171,13 @@ class Backpressure:
         thresholds: Thresholds | None = None,
         sampler: ResourceSampler | None = None,
     ) -> None:
-        conf = settings.FAIRQUEUE["BACKPRESSURE"]
+        conf = fq_settings().BACKPRESSURE
         self.consumer = consumer
         self.running = running
         self.controller = SlotController(capacity=capacity, thresholds=thresholds or Thresholds.from_settings())
-        self.sampler = sampler or ResourceSampler(memory_limit_bytes=int(conf["MEMORY_LIMIT_BYTES"]))
-        self.interval = float(conf["SAMPLE_SECONDS"])
-        self.enabled = bool(conf["ENABLED"])
+        self.sampler = sampler or ResourceSampler(memory_limit_bytes=int(conf.MEMORY_LIMIT_BYTES))
+        self.interval = float(conf.SAMPLE_SECONDS)
+        self.enabled = bool(conf.ENABLED)
         self.last_sample: ResourceSample | None = None
         self._stop = threading.Event()
 

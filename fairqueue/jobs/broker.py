@@ -21,19 +21,28 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from pathlib import Path
 from typing import Any
 
 import redis
+from celery import current_app as app
 from celery import signals
 
 from fairqueue import tracing
-from fairqueue.celery import app
-from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp, message_target
+from fairqueue.engine.scripts import LUA_DIR
+from fairqueue.jobs import celery_host
+from fairqueue.queues import (
+    BATCH_QUEUE,
+    JOBS_QUEUE,
+    QUARANTINE_PRIORITY,
+    QUARANTINE_QUEUE,
+    broker_is_amqp,
+    message_target,
+)
 
 __all__ = [
     "BATCH_QUEUE",
     "JOBS_QUEUE",
+    "QUARANTINE_QUEUE",
     "broker_identity",
     "broker_ping",
     "deliveries_publish",
@@ -47,6 +56,7 @@ __all__ = [
 
 RUN_TASK_NAME = "fairqueue.run_job"
 BATCH_ROUTE = "batch"
+QUARANTINE_ROUTE = "quarantine"  # fairqueue.jobs.quarantine: read only by quarantine workers
 DEFAULT_LEVEL = 5  # a route this code does not know (an older version's) still runs
 
 
@@ -56,10 +66,11 @@ def split_engine_id(engine_id: str) -> tuple[str, int]:
     return job_id, int(gen)
 
 
-def delivery_route(*, level: int, batch: bool, carry: str = "") -> str:
+def delivery_route(*, level: int, batch: bool, carry: str = "", quarantined: bool = False) -> str:
     """The engine data string that says where a delivery of this job is published (and,
-    after a space, the job's trace `carry`, when it has one)."""
-    route = BATCH_ROUTE if batch else str(level)
+    after a space, the job's trace `carry`, when it has one). A quarantined job goes to the
+    quarantine lane whatever its class or batch flag."""
+    route = QUARANTINE_ROUTE if quarantined else BATCH_ROUTE if batch else str(level)
     return f"{route} {carry}" if carry else route
 
 
@@ -77,9 +88,16 @@ def route_level(data: str) -> int | None:
     return int(route) if route.isdigit() else DEFAULT_LEVEL
 
 
+def route_target(route: str, *, amqp: bool) -> tuple[str, int]:
+    """(queue, message priority) of a delivery on `route` (an engine data string)."""
+    if route_carry(route)[0] == QUARANTINE_ROUTE:
+        return QUARANTINE_QUEUE, QUARANTINE_PRIORITY
+    return message_target(route_level(route), amqp=amqp)
+
+
 def delivery_queue(route: str) -> str:
     """The queue a delivery on `route` is published to."""
-    return message_target(route_level(route), amqp=_amqp())[0]
+    return route_target(route, amqp=_amqp())[0]
 
 
 def _amqp() -> bool:
@@ -100,8 +118,8 @@ def deliveries_ahead(route: str, consumed: Sequence[str]) -> bool:
     """
     if _amqp():
         return True
-    queue, priority = message_target(route_level(route), amqp=False)
-    with app.producer_pool.acquire(block=True) as producer:
+    queue, priority = route_target(route, amqp=False)
+    with celery_host.producer_pool().acquire(block=True) as producer:
         channel = producer.channel
         order = _fetch_order(channel, consumed)
         if order is None or queue not in consumed:
@@ -147,7 +165,7 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
     # connection per dispatch cost more than the rest of a handoff, and a producer per
     # thread meant a new connection per request under ASGI, which runs each request in a
     # thread of its own.
-    with app.producer_pool.acquire(block=True) as producer:
+    with celery_host.producer_pool().acquire(block=True) as producer:
         if _templated(producer, deliveries):
             _send_templated(producer, deliveries)
             return
@@ -156,7 +174,7 @@ def _send(deliveries: Sequence[tuple[str, str]]) -> None:
             for engine_id, data in deliveries:
                 job_id, gen = split_engine_id(engine_id)
                 route, carry = route_carry(data)
-                queue, priority = message_target(route_level(route), amqp=amqp)
+                queue, priority = route_target(route, amqp=amqp)
                 # Celery's instrumentation puts the current context in the message's headers:
                 # the job's own, whichever job's release is publishing it.
                 with tracing.within(tracing.carry_read(carry)[0]):
@@ -381,7 +399,7 @@ def _send_templated(producer: Any, deliveries: Sequence[tuple[str, str]]) -> Non
     by_list: dict[str, list[str]] = {}
     for engine_id, data in deliveries:
         job_id, gen = split_engine_id(engine_id)
-        target = message_target(route_level(route_carry(data)[0]), amqp=False)
+        target = route_target(data, amqp=False)
         template = _template(producer.connection, *target)
         by_list.setdefault(channel._q_for_pri(*target), []).append(template.message(job_id, gen, parent))
     pipe = _publish_client(channel).pipeline(transaction=False)
@@ -396,7 +414,7 @@ def broker_identity() -> str | None:
     deliveries lost). None on RabbitMQ, whose durable queues keep their messages."""
     if _amqp():
         return None
-    with app.producer_pool.acquire(block=True) as producer:
+    with celery_host.producer_pool().acquire(block=True) as producer:
         if getattr(producer.channel, "_q_for_pri", None) is None:
             return None
         return str(_publish_client(producer.channel).info("server")["run_id"])
@@ -407,10 +425,10 @@ def broker_ping(*, timeout: float) -> None:
     PING over the publishing pool, RabbitMQ a fresh connection (an idle pooled one would
     not notice that the server went away)."""
     if _amqp():
-        with app.connection_for_write() as connection:
+        with celery_host.connection_for_write() as connection:
             connection.ensure_connection(max_retries=0, timeout=timeout)
         return
-    with app.producer_pool.acquire(block=True, timeout=timeout) as producer:
+    with celery_host.producer_pool().acquire(block=True, timeout=timeout) as producer:
         _publish_client(producer.channel).ping()
 
 
@@ -420,12 +438,12 @@ def _declarations(queue: str, *, amqp: bool) -> list[Any]:
     routed to a queue that does not exist yet (no worker has started since the broker
     was new), so there the queue is declared, with its priorities: kombu remembers it per
     connection, so that is one round trip per pooled connection."""
-    return [app.amqp.queues[queue]] if amqp else []
+    return [celery_host.fairqueue_queue(queue)] if amqp else []
 
 
 # --- a delivery taken from the broker by the slot that runs it (fairqueue.jobs.handoff) -------
 
-_PULL_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "broker_pull.lua").read_text()
+_PULL_SOURCE = (LUA_DIR / "broker_pull.lua").read_text()
 
 
 @dataclass(frozen=True)
@@ -514,7 +532,7 @@ def _puller() -> _Puller | None:
     global _puller_made
     puller = _puller_made
     if puller is None:
-        with _puller_lock, app.producer_pool.acquire(block=True) as producer:
+        with _puller_lock, celery_host.producer_pool().acquire(block=True) as producer:
             if _puller_made is None and _fetch_order(producer.channel, []) is not None:
                 _puller_made = _Puller(producer.channel)
             puller = _puller_made

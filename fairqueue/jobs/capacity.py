@@ -25,10 +25,10 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db.models import DurationField, ExpressionWrapper, F, Min, Q, Sum
 from django.db.models.functions import TruncHour
 
+from fairqueue.conf import ForecastSettings, fq_settings
 from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.forecast import (
     HOURS_PER_WEEK,
@@ -54,9 +54,8 @@ AHEAD_STEP_SECONDS = 300  # the chart's forecast line ahead of now
 AHEAD_SECONDS = 2 * SECONDS_PER_HOUR
 
 
-def _conf() -> dict[str, Any]:
-    conf: dict[str, Any] = settings.FAIRQUEUE["FORECAST"]
-    return conf
+def _conf() -> ForecastSettings:
+    return fq_settings().FORECAST
 
 
 def demand_history(*, now: float, weeks: int) -> tuple[dict[str, dict[int, float]], int | None]:
@@ -89,7 +88,7 @@ def profiles_refresh(*, now: float | None = None) -> dict[str, list[float]]:
     """Rebuild every class's profile from the job history and store them in Redis."""
     now = time.time() if now is None else now
     conf = _conf()
-    hourly, start = demand_history(now=now, weeks=int(conf["WEEKS"]))
+    hourly, start = demand_history(now=now, weeks=int(conf.WEEKS))
     profiles = {}
     if start is not None:
         for latency_class, hours in hourly.items():
@@ -97,8 +96,8 @@ def profiles_refresh(*, now: float | None = None) -> dict[str, list[float]]:
                 hours,
                 now_hour=hour_index(now),
                 history_start_hour=start,
-                weeks=int(conf["WEEKS"]),
-                decay=float(conf["DECAY"]),
+                weeks=int(conf.WEEKS),
+                decay=float(conf.DECAY),
             )
     meta = {"computed_at": now, "history_start": None if start is None else start * SECONDS_PER_HOUR}
     pipe = redis_client().pipeline(transaction=True)
@@ -125,7 +124,7 @@ def capacity_figures(
 ) -> dict[str, Any]:
     """needed_now, forecast and desired slots, and the forecast's busy slots per class."""
     conf = _conf()
-    warmup, spread = float(conf["WARMUP_SECONDS"]), float(conf["SPREAD_SIGMAS"])
+    warmup, spread = float(conf.WARMUP_SECONDS), float(conf.SPREAD_SIGMAS)
     by_class = {
         cls: round(forecast_peak({cls: p}, start=now, horizon_seconds=warmup, spread_sigmas=spread), 3)
         for cls, p in profiles.items()
@@ -150,7 +149,7 @@ def capacity_read(*, fleet: dict[str, int], target_utilisation: float, with_hist
     pipe = redis_client().pipeline(transaction=False)
     pipe.hgetall(PROFILES_KEY)
     if with_history:
-        pipe.lrange(HISTORY_KEY, 0, int(_conf()["HISTORY_POINTS"]) - 1)
+        pipe.lrange(HISTORY_KEY, 0, int(_conf().HISTORY_POINTS) - 1)
     results = pipe.execute()
     profiles, meta = _profiles_decode(results[0])
     busy = max(0, fleet["busy"] - fleet["busy_batch"])
@@ -171,8 +170,8 @@ def capacity_read(*, fleet: dict[str, int], target_utilisation: float, with_hist
                     forecast_peak(
                         profiles,
                         start=now + s,
-                        horizon_seconds=float(conf["WARMUP_SECONDS"]),
-                        spread_sigmas=float(conf["SPREAD_SIGMAS"]),
+                        horizon_seconds=float(conf.WARMUP_SECONDS),
+                        spread_sigmas=float(conf.SPREAD_SIGMAS),
                     ),
                     target_utilisation,
                 ),
@@ -193,7 +192,7 @@ def capacity_record(*, now: float | None = None) -> list[float]:
     point = [round(now), fleet["slots"], busy, figures["desired"], figures["forecast"]]
     pipe = redis_client().pipeline(transaction=False)
     pipe.lpush(HISTORY_KEY, json.dumps(point))
-    pipe.ltrim(HISTORY_KEY, 0, int(_conf()["HISTORY_POINTS"]) - 1)
+    pipe.ltrim(HISTORY_KEY, 0, int(_conf().HISTORY_POINTS) - 1)
     pipe.execute()
     return point
 
@@ -204,9 +203,9 @@ def capacity_step() -> None:
     conf = _conf()
     client = redis_client()
     if not client.exists(PROFILES_KEY) or client.set(
-        REFRESH_LOCK_KEY, "1", nx=True, ex=max(1, int(conf["REFRESH_SECONDS"]))
+        REFRESH_LOCK_KEY, "1", nx=True, ex=max(1, int(conf.REFRESH_SECONDS))
     ):
-        client.set(REFRESH_LOCK_KEY, "1", ex=max(1, int(conf["REFRESH_SECONDS"])))
+        client.set(REFRESH_LOCK_KEY, "1", ex=max(1, int(conf.REFRESH_SECONDS)))
         profiles_refresh()
-    if client.set(RECORD_LOCK_KEY, "1", nx=True, ex=max(1, int(conf["RECORD_SECONDS"]))):
+    if client.set(RECORD_LOCK_KEY, "1", nx=True, ex=max(1, int(conf.RECORD_SECONDS))):
         capacity_record()

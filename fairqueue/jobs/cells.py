@@ -3,7 +3,10 @@ Redis as jobs move, so the dashboard and /metrics read every cell's count and ol
 in one round trip, whatever the backlog (lua/cells.lua keeps the summaries).
 
 Cell names (opaque to the script): "c|<shard>|<class>" every waiting job of a shard and
-class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked.
+class, "t|<tenant>|<class>" a tenant's waiting jobs, "p|<tenant>|<class>" those parked (a
+count alone: no oldest job, and no sorted set of its jobs, which would cost every parked
+job a third member), "q|<shard>|quarantine" the waiting jobs of the shard's quarantine
+lane (fairqueue.jobs.quarantine).
 The class of a job in the batch lane is BATCH_CLASS; the shard is the tenant's current
 one. Waiting means `queued` or `parked`: a `scheduled` or `retrying` job is in no cell
 until it is due and promoted (fairqueue.jobs.due), and it waits from its `due_at` (the
@@ -33,11 +36,11 @@ import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import redis
 
+from fairqueue.engine.scripts import LUA_DIR
 from fairqueue.jobs.models import Job, JobStatus
 from fairqueue.jobs.runtime import redis_client
 from tenants.policy import PolicySnapshot, policy_snapshot
@@ -64,8 +67,8 @@ AUDIT_OLDEST = 5  # members of each shard cell checked against the database per 
 AUDIT_RECHECK_SECONDS = 10.0
 REBUILD_CHUNK = 5000
 
-_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "cells.lua").read_text()
-_SHA = hashlib.sha1(_SOURCE.encode()).hexdigest()
+SOURCE = (LUA_DIR / "cells.lua").read_text()
+_SHA = hashlib.sha1(SOURCE.encode()).hexdigest()
 
 
 def shard_cell(shard: str, latency_class: str) -> str:
@@ -78,6 +81,13 @@ def tenant_cell(slug: str, latency_class: str) -> str:
 
 def parked_cell(slug: str, latency_class: str) -> str:
     return f"p|{slug}|{latency_class}"
+
+
+QUARANTINE_CLASS = "quarantine"  # the lane's cells' third part (every cell name has three)
+
+
+def quarantine_cell(shard: str) -> str:
+    return f"q|{shard}|{QUARANTINE_CLASS}"
 
 
 def job_class(job: Job) -> str:
@@ -98,6 +108,8 @@ def _set_op(job: Job, policy: PolicySnapshot, *, parked: bool, op: str = "set") 
     cells = [shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
     if parked:
         cells.append(parked_cell(tp.slug, cls))
+    if job.quarantined:
+        cells.append(quarantine_cell(tp.shard))
     return [op, str(job.id), wait_score(job), len(cells), *cells]
 
 
@@ -120,7 +132,7 @@ def _apply(ops: Sequence[list[Any]]) -> None:
         pipe.execute_command(*command)
     results = pipe.execute(raise_on_error=False)
     if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
-        client.script_load(_SOURCE)
+        client.script_load(SOURCE)
         pipe = client.pipeline(transaction=False)
         for command in commands:
             pipe.execute_command(*command)
@@ -152,6 +164,78 @@ def entry_done(entry: Entry, replies: Sequence[Any]) -> None:
     between would be counted again until the audit finds it: a window once per restart)."""
     if any(isinstance(r, Exception) for r in replies):
         _safely("place", entry.ops)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check lua/cells.lua decides before a call's entries, all or none: "quota" (the jobs
+    waiting in `cells` plus `n` stay within `limit`), "guard" (the same against the memory
+    guard's cap; `limit` "1" exempts the jobs) or "rate" (`limit` jobs/s, a bucket of `burst`)."""
+
+    check: str
+    name: str
+    n: int
+    limit: float
+    cells: tuple[str, ...] = ()
+    burst: int = 0
+
+    def args(self) -> list[Any]:
+        if self.check == "rate":
+            return ["rate", self.name, self.n, repr(float(self.limit)), self.burst]
+        return [self.check, self.name, self.n, int(self.limit), len(self.cells), *self.cells]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A check that failed: for "quota" and "guard" the jobs counted and the cap; for
+    "rate" the seconds until the bucket holds enough tokens (`count`)."""
+
+    check: str
+    name: str
+    count: float
+    cap: int
+
+
+def tenant_cells(slug: str, classes: Iterable[str]) -> tuple[str, ...]:
+    """The cells of a tenant's waiting jobs in these classes."""
+    return tuple(tenant_cell(slug, c) for c in sorted(set(classes)))
+
+
+def jobs_enter_checked(jobs: Sequence[Job], *, policy: PolicySnapshot, checks: Sequence[Check]) -> Refusal | None:
+    """The jobs start to wait (as `entry_prepare`'s entries; their rows are not written yet,
+    but their submit time is set), in one script call with `checks` first: when one fails,
+    nothing is entered and its refusal is returned. The count and the entry are one atomic step, so two
+    requests at once cannot both pass a quota that has room for one. Redis errors raise."""
+    ops: list[Any] = [a for c in checks for a in c.args()]
+    for job in jobs:
+        tp = policy.tenants.get(job.tenant.slug)
+        if tp is None:
+            continue
+        cls = job_class(job)
+        ops += ["set", str(job.id), wait_score(job), 2, shard_cell(tp.shard, cls), tenant_cell(tp.slug, cls)]
+    client = redis_client()
+    command = ["EVALSHA", _SHA, 1, PREFIX, *ops]
+    try:
+        reply = client.execute_command(*command)
+    except redis.exceptions.NoScriptError:
+        client.script_load(SOURCE)
+        reply = client.execute_command(*command)
+    if not isinstance(reply, list):
+        return None
+    what, name, count, cap = ([*(_text(v) for v in reply), "0"])[:4]
+    return Refusal(what, name, float(count), int(float(cap)))
+
+
+def cells_count(names: Sequence[str]) -> dict[str, int]:
+    """The waiting count of each cell named (one HMGET of the summary)."""
+    if not names:
+        return {}
+    raw = redis_client().hmget(SUMMARY_KEY, list(names))
+    return {n: int(_text(v).split(" ", 1)[0]) if v is not None else 0 for n, v in zip(names, raw, strict=True)}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _safely(what: str, ops: Sequence[list[Any]]) -> None:
@@ -241,8 +325,8 @@ _EMPTY = Cell(0, None)
 
 
 def _cell(value: str) -> Cell:
-    n, oldest = value.split(" ", 1)
-    return Cell(int(n), float(oldest))
+    n, _, oldest = value.partition(" ")
+    return Cell(int(n), float(oldest) if oldest else None)
 
 
 def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> CellsView:
@@ -259,8 +343,8 @@ def cells_parse(raw: dict[str, str], previous: CellsView | None = None) -> Cells
     out: dict[str, Cell] = {}
     tenants: dict[str, dict[str, dict[str, Cell]]] = {"t": {}, "p": {}}
     for name, value in raw.items():
-        n, oldest = value.split(" ", 1)
-        cell = out[name] = Cell(int(n), float(oldest))
+        n, _, oldest = value.partition(" ")
+        cell = out[name] = Cell(int(n), float(oldest) if oldest else None)
         kind, owner, cls = name.split("|", 2)
         by_tenant = tenants.get(kind)
         if by_tenant is not None:

@@ -5,11 +5,19 @@ FairQueue itself costs per job: `bench throughput`), and a call to an upstream o
 machine that backs off when it answers 429 (docs/resources.md, `bench backoff`).
 
 The parse is CPU work, so it runs isolated: in a child process of the worker, killed past
-its timeout or its memory limit without harming the worker (fairqueue.jobs.isolation)."""
+its timeout or its memory limit without harming the worker (fairqueue.jobs.isolation).
+
+The hungry task is the opposite: it grows its worker's own memory, and past the worker's
+memory limit (FAIRQUEUE_DEMO_WORKER_MEMORY_MB, standing in for a container's) the whole
+worker is SIGKILLed, as the kernel's OOM killer would do. On a lean normal worker it dies
+that way; the job then moves to the quarantine lane (fairqueue.jobs.quarantine), whose
+workers have the memory, and succeeds there."""
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import psutil
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
@@ -35,6 +44,12 @@ class SleepArgs(BaseModel):
 
 class NoArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class HungryArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mb: int = Field(default=300, ge=1, le=2048, description="Memory the task holds at its peak, in MB.")
+    hold_seconds: float = Field(default=1.0, ge=0, le=60, description="How long it holds it.")
 
 
 class ParseArgs(BaseModel):
@@ -99,6 +114,9 @@ HOLD_CHECK_SECONDS = 0.1
 # needs that long asks for it by splitting its document.
 PARSE_TIMEOUT_SECONDS = 600.0
 PARSE_MEMORY_LIMIT_MB = 256.0
+HUNGRY_STEP_MB = 16  # the hungry task grows by this much at a time, checking its worker's size between
+MIB = 1024 * 1024
+PAGE_BYTES = 4096
 
 
 def ledger_write(ctx: JobContext, task: str) -> None:
@@ -190,6 +208,28 @@ def demo_document_join(ctx: JobContext, args: JoinArgs) -> dict[str, Any]:
         raise RuntimeError(f"{len(args.failed)} of {len(args.children)} pages failed: {args.failed[:20]}")
     ledger_write(ctx, "demo.document_join")
     return {"pages": len(args.children)}
+
+
+@fairqueue_task("demo.hungry", args=HungryArgs)
+def demo_hungry(ctx: JobContext, args: HungryArgs) -> dict[str, Any]:
+    """Hold `mb` MB in the worker itself (not isolated: its memory is the worker's)."""
+    started = _now()
+    limit_mb = settings.FAIRQUEUE_DEMO_WORKER_MEMORY_MB
+    me = psutil.Process()
+    held: list[bytearray] = []
+    while len(held) * HUNGRY_STEP_MB < args.mb:
+        ctx.check_hold()
+        chunk = bytearray(HUNGRY_STEP_MB * MIB)
+        chunk[::PAGE_BYTES] = b"x" * len(range(0, len(chunk), PAGE_BYTES))  # a byte per page: resident
+        held.append(chunk)
+        if limit_mb and me.memory_info().rss > limit_mb * MIB:
+            # The container's memory limit: the kernel kills the whole worker, at once.
+            os.kill(os.getpid(), signal.SIGKILL)
+    task_sleep(ctx, args.hold_seconds)
+    peak_mb = round(me.memory_info().rss / MIB)
+    held.clear()
+    ledger_write(ctx, "demo.hungry")
+    return {"started": started, "finished": _now(), "worker": ctx.worker, "peak_rss_mb": peak_mb}
 
 
 def demo_call(ctx: JobContext, args: CallArgs) -> dict[str, Any]:

@@ -15,13 +15,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from fairqueue import tracing
+from fairqueue.conf import fq_settings
 from fairqueue.engine import Admission, AdmitRequest, Woken
 from fairqueue.jobs import cells, live, stats
 from fairqueue.jobs import timeline as tl
@@ -36,6 +36,7 @@ from fairqueue.jobs.admission import (
 from fairqueue.jobs.broker import deliveries_publish, delivery_route, route_carry, split_engine_id
 from fairqueue.jobs.database import TRANSIENT_DB_ERRORS, connections_heal
 from fairqueue.jobs.models import KEY_SEPARATOR, TERMINAL_STATUSES, WAITING_STATUSES, Job, JobStatus
+from fairqueue.jobs.quarantine import WORKER_LOST, Death, death_outcome
 from fairqueue.jobs.runtime import engine
 from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
 from tenants.resource_limits import resource_limits_read
@@ -131,7 +132,12 @@ def _placement(job: Job, tenant: TenantPolicy, resources: Sequence[str] = ()) ->
     """The job's stored placement; a row without one (written before placements were
     stored) gets the current one, stored here so its later engine calls find it."""
     now_tag, now_names = job_placement(
-        tenant=tenant, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, resources=resources, document=job.document
+        tenant=tenant,
+        sub_tenant=job.sub_tenant,
+        batch=job.in_batch_lane,
+        resources=resources,
+        document=job.document,
+        quarantined=job.quarantined,
     )
     names = job.engine_key_names
     if job.engine_tag and len(names) == len(now_names):
@@ -324,7 +330,7 @@ def _jobs_admit(
     fresh: bool,
     enter_cells: bool,
 ) -> None:
-    lease_seconds = float(settings.FAIRQUEUE["LEASE_SECONDS" if running else "DISPATCH_LEASE_SECONDS"])
+    lease_seconds = float(fq_settings().LEASE_SECONDS if running else fq_settings().DISPATCH_LEASE_SECONDS)
     items = []
     plans: list[AdmissionPlan] = []
     admitted_jobs = []
@@ -342,6 +348,7 @@ def _jobs_admit(
         batch = job.in_batch_lane
         document = (job.document, job.fan_out_cap or tp.max_fan_out) if job.document else None
         alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()), document)
+        quarantined = job.quarantined
         plan = shared.get(alike)
         if plan is None:
             fleet = live.fleet_state()
@@ -360,6 +367,7 @@ def _jobs_admit(
                 # whatever the pool's size now.
                 pool_room=None if running else fleet.pool_room(tp.shard),
                 document=document,
+                quarantined=quarantined,
             )
         items.append(
             AdmitRequest(
@@ -372,6 +380,7 @@ def _jobs_admit(
                     level=class_level(policy, job.latency_class),
                     batch=job.in_batch_lane,
                     carry=tracing.job_carry(job.traceparent),
+                    quarantined=quarantined,
                 ),
                 require_ready=require_ready,
             )
@@ -525,8 +534,9 @@ def waits_trace(woken: Iterable[Woken]) -> None:
 
 
 def jobs_redeliver(engine_ids: Iterable[str]) -> None:
-    """A hold expired: its worker died (or the broker lost the message). Run it again, once."""
-    poison_limit = int(settings.FAIRQUEUE["POISON_PILL_LIMIT"])
+    """A hold expired: its worker died (or the broker lost the message). Run it again, once;
+    a job its workers died under too often moves to the quarantine lane, or fails as a
+    poison pill (fairqueue.jobs.quarantine)."""
     policy = policy_snapshot()
     again: list[Job] = []
     failed: list[str] = []
@@ -536,21 +546,32 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
             job = Job.objects.select_for_update().select_related("tenant").filter(id=job_id, generation=gen).first()
             if job is None or job.status in TERMINAL_STATUSES:
                 continue
-            if job.status == JobStatus.RUNNING:
+            # Running when its hold ran out: its worker died under it. Not yet running (its
+            # delivery was lost on the way, say): no death.
+            died = job.status == JobStatus.RUNNING
+            if died:
                 job.worker_losses += 1
+                if job.quarantined:
+                    job.quarantine_losses += 1
             with tracing.span("fairqueue.reclaim", parent=job.traceparent, job_id=str(job.id), generation=gen):
                 tracing.event("reclaimed", was=job.status, worker_losses=job.worker_losses)
             job.timeline += tl.line(tl.RECLAIMED, f"generation {gen} {job.status}")
             job.generation += 1
             job.admitted_at = None
-            if job.worker_losses >= poison_limit:
+            outcome = death_outcome(job, policy.pool) if died else None
+            if outcome is not None and outcome.death == Death.POISON:
                 job.status = JobStatus.FAILED
-                job.error_reason = "worker_lost"
-                job.error = f"Workers died {job.worker_losses} times running this job; not re-delivered again."
+                job.error_reason = WORKER_LOST
+                job.error = outcome.reason
                 job.finished_at = timezone.now()
-                job.timeline += tl.line(tl.FINISHED, "failed worker_lost", at=job.finished_at)
+                job.timeline += tl.line(tl.FINISHED, f"failed {WORKER_LOST}", at=job.finished_at)
                 stats.count("finished:failed")
             else:
+                if outcome is not None and outcome.death == Death.QUARANTINE:
+                    job.quarantined_at = timezone.now()
+                    job.quarantine_reason = outcome.reason
+                    job.timeline += tl.line(tl.QUARANTINED, outcome.reason, at=job.quarantined_at)
+                    stats.count("quarantine:moved")
                 job.status = JobStatus.QUEUED
                 tenant = policy.tenants.get(job.tenant.slug)
                 if tenant is not None:  # a new admission: wherever the tenant is now
@@ -560,6 +581,7 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                         batch=job.in_batch_lane,
                         resources=known_resources(policy, job.resource_names),
                         document=job.document,
+                        quarantined=job.quarantined,
                     )
                     job.engine_keys = KEY_SEPARATOR.join(names)
                 again.append(job)
@@ -570,6 +592,9 @@ def jobs_redeliver(engine_ids: Iterable[str]) -> None:
                     "engine_tag",
                     "engine_keys",
                     "worker_losses",
+                    "quarantined_at",
+                    "quarantine_reason",
+                    "quarantine_losses",
                     "generation",
                     "admitted_at",
                     "status",

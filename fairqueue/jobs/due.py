@@ -123,6 +123,7 @@ def _mark_queued(due: list[Job], policy: PolicySnapshot, marked_at: datetime) ->
                 batch=job.in_batch_lane,
                 resources=known_resources(policy, job.resource_names),
                 document=job.document,
+                quarantined=job.quarantined,
             )
             keys, admitted_at = KEY_SEPARATOR.join(names), marked_at
         groups[(job.status, job.generation, tag, keys, admitted_at)].append(job)

@@ -34,6 +34,7 @@ from fairqueue.jobs.dispatch import jobs_admit, outcomes_handle
 from fairqueue.jobs.due import jobs_promote_due
 from fairqueue.jobs.failure_log import FailureLog
 from fairqueue.jobs.limits_plan import LimitsPlan, limits_plan
+from fairqueue.jobs.memory_guard import memory_guard_step
 from fairqueue.jobs.models import BATCH_DUE, KEY_SEPARATOR, WAITING_SINCE, Job, JobStatus
 from fairqueue.jobs.moves import moves_track
 from fairqueue.jobs.recovery import broker_watch, jobs_admit_pending, reconcile, releases_pending, state_ensure
@@ -125,6 +126,7 @@ def scheduler_tick() -> None:
         capacity_step,
         webhooks_send_due,
         cells_step,
+        memory_guard_step,
     ]
     for duty in duties:
         name = getattr(duty, "__name__", repr(duty))
@@ -183,6 +185,7 @@ def batch_promote(job: Job, *, policy: PolicySnapshot) -> bool:
             batch=False,
             resources=known_resources(policy, job.resource_names),
             document=job.document,
+            quarantined=job.quarantined,
         )
         fields.update(engine_tag=tag, engine_keys=KEY_SEPARATOR.join(names))
     won = Job.objects.filter(

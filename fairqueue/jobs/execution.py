@@ -16,17 +16,17 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.utils import timezone
 
 from fairqueue import tracing
 from fairqueue.backoff import Backoff
+from fairqueue.conf import fq_settings
 from fairqueue.engine import Woken
-from fairqueue.jobs import fanout, groupcommit, handback, live, payloads, stats
+from fairqueue.jobs import fanout, groupcommit, handback, live, payloads, stats, task_events
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.admission import key_names, shard_tag
 from fairqueue.jobs.backoff import job_back_off, job_resources_succeeded
@@ -148,7 +148,11 @@ def _job_run(
         job.engine_tag = shard_tag(job.tenant.shard.name)
         job.engine_keys = KEY_SEPARATOR.join(
             key_names(
-                tenant_slug=job.tenant.slug, sub_tenant=job.sub_tenant, batch=job.in_batch_lane, document=job.document
+                tenant_slug=job.tenant.slug,
+                sub_tenant=job.sub_tenant,
+                batch=job.in_batch_lane,
+                document=job.document,
+                quarantined=job.quarantined,
             )
         )
     tag = job.engine_tag
@@ -161,7 +165,7 @@ def _job_run(
     # a worker killed between the two then leaves a queued job whose hold runs out within
     # one running lease (and is re-delivered without counting a loss). Claiming first left a
     # `running` job holding its slots for the whole dispatch lease (a CI run hit that window).
-    lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
+    lease = float(fq_settings().LEASE_SECONDS)
     try:
         if active_leases.fenced():
             # This worker cannot confirm the holds it has: take no new job until it can.
@@ -199,6 +203,14 @@ def _job_run(
     # the task reads its attempt number.
     job.attempts += 1
     job.started_at = now
+    task_events.run_started(
+        job_id=job_id,
+        task=job.task,
+        tenant=job.tenant.slug,
+        sub_tenant=job.sub_tenant,
+        attempt=job.attempts,
+        args={"ref": job.args_ref} if job.args_ref else job.args,
+    )
     outcome = "succeeded"
     fields: dict[str, Any] = {}
     retry_policy = NO_RETRY
@@ -247,11 +259,13 @@ def _job_run(
         # Fenced: another delivery may own the job now. Record and release nothing: the
         # engine reclaims the hold when its lease ends and the job is delivered again.
         _holding_end(job)
+        task_events.run_retried(job_id=job_id, exception="HoldLost: another delivery may own the job")
         log.warning("job %s generation %s fenced at %.3f: stopped, its hold is lost", job_id, generation, time.time())
         return "fenced", None
     except Backoff as refusal:
         # An outside resource refused it: back to wait, not failed (fairqueue.jobs.backoff).
         _holding_end(job)
+        task_events.run_retried(job_id=job_id, exception=f"Backoff: {refusal}")
         return job_back_off(job, refusal, started=now), None
     except Exception as exc:
         outcome = "failed"
@@ -320,6 +334,7 @@ def _job_run(
         stats.count({"retrying": "retried", "awaiting": "fanout:parents"}.get(outcome, f"finished:{fields['status']}"))
         if job.resources and fields["status"] in (JobStatus.SUCCEEDED, JobStatus.AWAITING):
             job_resources_succeeded(job)
+    _run_events(job_id, recorded=recorded, outcome=outcome, fields=fields, error=summary, runtime=finished - now)
     kept = job_release_keeping(job, keep)
     # After the release: the join may submit the continuation, which may take this slot.
     if recorded and outcome == "awaiting":
@@ -339,6 +354,22 @@ def _join_safely(parent: Job) -> None:
         fanout.parent_join(parent.id)
     except Exception:
         log.exception("join check of parent %s failed; the duty's sweep joins it", parent.id)
+
+
+def _run_events(
+    job_id: str, *, recorded: bool, outcome: str, fields: dict[str, Any], error: str, runtime: timedelta
+) -> None:
+    """The run's last event for Celery's tools (fairqueue.jobs.task_events). An outcome the
+    compare-and-set refused (the job was cancelled, or another delivery owns it) is revoked."""
+    if not recorded:
+        task_events.run_revoked(job_id=job_id)
+    elif outcome == "succeeded":
+        result = fields.get("result") if fields.get("result_ref") is None else {"ref": fields["result_ref"]}
+        task_events.run_succeeded(job_id=job_id, result=result, runtime=runtime.total_seconds())
+    elif outcome == "retrying":
+        task_events.run_retried(job_id=job_id, exception=error, traceback=fields["error"])
+    else:
+        task_events.run_failed(job_id=job_id, exception=error, traceback=fields["error"])
 
 
 def _holding_end(job: Job) -> None:

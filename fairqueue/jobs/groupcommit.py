@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from django.conf import settings
 from django.db import connections, router, transaction
 from django.db.models import F, Field, Value
 from django.db.models.functions import Coalesce
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs import cells, jobrows, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.models import WAITING_STATUSES, Job, JobStatus
@@ -58,7 +58,7 @@ ID_COL, GEN_COL, LINES_COL = "fq_id", "fq_gen", "fq_lines"
 
 def window_seconds() -> float:
     """How long a leader waits at most for threads on their way; 0 turns batching off."""
-    return float(settings.FAIRQUEUE["GROUP_COMMIT_MS"]) / 1000.0
+    return float(fq_settings().GROUP_COMMIT_MS) / 1000.0
 
 
 @dataclass

@@ -24,10 +24,10 @@ import logging
 import random
 import time
 
-from django.conf import settings
 from django.utils import timezone
 from pydantic import ValidationError
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs import cells, payloads, stats
 from fairqueue.jobs import timeline as tl
 from fairqueue.jobs.dispatch import job_release_or_defer, jobs_admit
@@ -64,7 +64,7 @@ def refusal(job: Job) -> str | None:
 
 def hand_back(job: Job, reason: str, *, worker: str) -> str:
     """Give the delivery back (or fail it past the time limit); returns the outcome."""
-    limit = float(settings.FAIRQUEUE["HANDBACK_SECONDS"])
+    limit = float(fq_settings().HANDBACK_SECONDS)
     key = handback_key(str(job.id))
     client = redis_client()
     now = time.time()
@@ -77,7 +77,7 @@ def hand_back(job: Job, reason: str, *, worker: str) -> str:
     if now - float(first) >= limit:
         return _fail(job, reason, count=int(count), key=key)
     renewed = engine().renew(
-        tag=job.engine_tag, job_id=job.engine_id, lease_seconds=float(settings.FAIRQUEUE["DISPATCH_LEASE_SECONDS"])
+        tag=job.engine_tag, job_id=job.engine_id, lease_seconds=float(fq_settings().DISPATCH_LEASE_SECONDS)
     )
     if not renewed:
         return "lost"  # the hold was reclaimed: the job is (or will be) re-delivered anyway
@@ -101,7 +101,7 @@ def _fail(job: Job, reason: str, *, count: int, key: str) -> str:
         fields={
             "status": JobStatus.FAILED,
             "error_reason": UNKNOWN_TASK,
-            "error": f"No worker ran this job within {settings.FAIRQUEUE['HANDBACK_SECONDS']:g} s: handed back "
+            "error": f"No worker ran this job within {fq_settings().HANDBACK_SECONDS:g} s: handed back "
             f"{count} time(s); the last worker said {reason}.",
             "finished_at": timezone.now(),
             "timeline": tl.appended(tl.line(tl.FINISHED, f"{JobStatus.FAILED} {UNKNOWN_TASK}")),

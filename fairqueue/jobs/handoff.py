@@ -9,6 +9,8 @@ instead the releasing worker runs it at once in the same slot when it may:
 - it consumes the job's queue (every worker reads `fq.jobs`; `fq.batch` unless started
   with `--no-batch` / `-X fq.batch`);
 - it is not shutting down (a warm shutdown starts nothing new: it publishes);
+- Celery's consumer holds no delivery for this worker that waits for a slot (the freed
+  slot is that delivery's);
 - the broker holds no delivery this worker would fetch first (a higher latency class, or
   the same class published earlier; for a batch job, anything). The slot would then have
   taken this job, or one just like it, next anyway, so strict class order holds. A
@@ -89,6 +91,15 @@ def _celery_stopping() -> bool:
     return celery_state.should_stop is not None or celery_state.should_terminate is not None
 
 
+def _delivery_waiting() -> bool:
+    """Whether Celery's consumer holds a delivery for this worker that no slot runs yet (a
+    prefetch can land while every slot runs a chain). A freed slot is then that delivery's:
+    it was taken off the broker in the broker's order, and a slot that chained a woken job
+    or pulled another instead would leave it waiting for a job to end, a whole long job."""
+    active = celery_state.active_requests
+    return any(request not in active for request in list(celery_state.reserved_requests))
+
+
 def _fetch_rank(woken: Woken) -> tuple[bool, int]:
     """Classes first, highest (level 0) first; the batch lane last."""
     route = route_carry(woken.data)[0]
@@ -102,7 +113,7 @@ def inline_pick(woken: Sequence[Woken]) -> Woken | None:
     the publish and the fetch it saves.
     """
     consumed = _consumed
-    if consumed is None or not woken or _stopping.is_set() or _celery_stopping():
+    if consumed is None or not woken or _stopping.is_set() or _celery_stopping() or _delivery_waiting():
         return None
     queues = list(consumed())
     runnable = [w for w in woken if delivery_queue(w.data) in queues]
@@ -118,7 +129,14 @@ def next_delivery() -> Pulled | None:
     """The delivery a slot whose job ended (and whose release handed it nothing) runs next,
     taken off the broker by this thread; None to leave the slot to Celery's consumer."""
     consumed = _consumed
-    if consumed is None or not _pull or _stopping.is_set() or _celery_stopping() or not _may_start():
+    if (
+        consumed is None
+        or not _pull
+        or _stopping.is_set()
+        or _celery_stopping()
+        or not _may_start()
+        or _delivery_waiting()
+    ):
         return None
     queues = list(consumed())
     if not queues:

@@ -49,9 +49,9 @@ from typing import Any
 
 import django
 import psutil
-from django.conf import settings
 from django.db import close_old_connections
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.registry import HoldLost, JobContext, task_get
 from fairqueue.jobs.task_limits import TaskCrashed, TaskMemoryLimit, TaskTimeout
 
@@ -240,7 +240,7 @@ def isolated_pool() -> IsolatedPool:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = IsolatedPool(int(settings.FAIRQUEUE["ISOLATED_POOL_SIZE"]))
+            _pool = IsolatedPool(int(fq_settings().ISOLATED_POOL_SIZE))
         return _pool
 
 

@@ -15,9 +15,9 @@ import threading
 import time
 
 import redis
-from django.conf import settings
 
 from fairqueue import tracing
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.runtime import engine
 
 log = logging.getLogger("fairqueue.jobs.leases")
@@ -77,7 +77,7 @@ class ActiveLeases:
 
     @staticmethod
     def _expired(confirmed_at: float) -> bool:
-        lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
+        lease = float(fq_settings().LEASE_SECONDS)
         return time.monotonic() - confirmed_at > lease * FENCE_FRACTION
 
     def snapshot(self) -> dict[str, str]:
@@ -90,7 +90,7 @@ class ActiveLeases:
             return len(self._active), len(self._batch)
 
     def _run(self) -> None:
-        lease = float(settings.FAIRQUEUE["LEASE_SECONDS"])
+        lease = float(fq_settings().LEASE_SECONDS)
         while True:
             time.sleep(max(lease / 3, MIN_RENEW_SECONDS))
             with self._lock:

@@ -20,11 +20,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
 
+from fairqueue.engine.scripts import LUA_DIR
 from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, batch_limits, pool_room, shard_tag
 from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.runtime import engine, redis_client
@@ -37,7 +37,7 @@ MEAN_ALPHA = 0.2
 MEAN_TTL_SECONDS = 24 * 3600
 MEAN_FLUSH_SECONDS = 2 * SIGNAL_TTL_SECONDS
 
-_MEAN_SOURCE = (Path(__file__).resolve().parents[2] / "lua" / "update_mean.lua").read_text()
+_MEAN_SOURCE = (LUA_DIR / "update_mean.lua").read_text()
 _MEAN_SHA = hashlib.sha1(_MEAN_SOURCE.encode()).hexdigest()
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from django.db import models
 from django.db.models.functions import Coalesce
 from django.db.models.lookups import IsNull
+from django.utils import timezone
 from django.utils.deconstruct import deconstructible
 
 
@@ -114,8 +115,15 @@ class Job(models.Model):
     attempts = models.PositiveIntegerField(default=0, help_text="Times a worker started this job.")
     worker_losses = models.PositiveIntegerField(default=0, help_text="Times a worker died under this job.")
     generation = models.PositiveIntegerField(default=0)
+    # The quarantine lane (fairqueue.jobs.quarantine): set when worker deaths moved the job
+    # there; its deliveries then go only to quarantine workers, under the lane's own key.
+    quarantined_at = models.DateTimeField(null=True, blank=True, help_text="When worker deaths moved it to quarantine.")
+    quarantine_reason = models.CharField(max_length=200, blank=True, default="")
+    quarantine_losses = models.PositiveIntegerField(default=0, help_text="Times a worker died under it in quarantine.")
     worker = models.CharField(max_length=200, blank=True, default="")
-    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    # Not auto_now_add: a submit sets it to the time its jobs entered their cells, which
+    # happens before the row is written (fairqueue.jobs.quotas).
+    submitted_at = models.DateTimeField(default=timezone.now, editable=False, db_index=True)
     admitted_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -239,6 +247,11 @@ class Job(models.Model):
     def in_batch_lane(self) -> bool:
         """Batch jobs wait for idle capacity until promoted."""
         return self.batch and self.promoted_at is None
+
+    @property
+    def quarantined(self) -> bool:
+        """In the quarantine lane: run only by quarantine workers."""
+        return self.quarantined_at is not None
 
     @property
     def engine_key_names(self) -> list[str]:

@@ -148,6 +148,7 @@ def _migrate(jobs: QuerySet[Job], policy: PolicySnapshot) -> int:
             batch=job.in_batch_lane,
             resources=known_resources(policy, job.resource_names),
             document=job.document,
+            quarantined=job.quarantined,
         )
         keys = KEY_SEPARATOR.join(names)
         if (job.engine_tag, job.engine_keys) == (tag, keys):

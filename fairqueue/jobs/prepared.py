@@ -27,10 +27,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from django.conf import settings
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.backends.postgresql.psycopg_any import register_tzloader
 from psycopg.pq import Format
+
+from fairqueue.conf import fq_settings
 
 POSTGRESQL = "postgresql"
 TIMESTAMPTZ_OID = 1184  # PostgreSQL's type oid of timestamptz (what Django's backend checks too)
@@ -62,7 +63,7 @@ def prepared_raw_cursor(raw_connection: psycopg.Connection[Any]) -> PreparedCurs
 
 def prepared_enabled(connection: BaseDatabaseWrapper) -> bool:
     """Whether `hot_cursor` prepares statements on this connection."""
-    return connection.vendor == POSTGRESQL and bool(settings.FAIRQUEUE["DB_PREPARED"])
+    return connection.vendor == POSTGRESQL and bool(fq_settings().DB_PREPARED)
 
 
 @contextmanager

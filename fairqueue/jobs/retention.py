@@ -12,11 +12,11 @@ import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Count, Q, QuerySet
 from django.utils import timezone
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs import payloads
 from fairqueue.jobs.models import PRUNABLE, Job, LedgerEntry
 
@@ -127,7 +127,7 @@ def retention_due_prune(*, now: datetime | None = None) -> PruneResult | None:
 
     Returns None when retention is disabled (0 days).
     """
-    days = float(settings.FAIRQUEUE["RETENTION_DAYS"])
+    days = float(fq_settings().RETENTION_DAYS)
     if days <= 0:
         return None
     return jobs_prune(

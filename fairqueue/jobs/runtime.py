@@ -1,7 +1,7 @@
 """Process-wide clients of the engine's Redis and the engine, created lazily from settings.
 
 Engine state and the jobs side's fleet-wide keys (worker registry, stats, live signals,
-duty lease) share one client of FAIRQUEUE_ENGINE_URL (REDIS_URL when it is empty), a Redis
+duty lease) share one client of FAIRQUEUE["ENGINE_URL"] (REDIS_URL when it is empty), a Redis
 Cluster client when that URL is a cluster node. They are keyed by URL, so a changed setting
 (tests pointing at an unreachable server) takes effect without restarting the process.
 """

@@ -10,18 +10,26 @@ from typing import Any
 from django.db import models
 from django.db.models import QuerySet
 
-from fairqueue.jobs import live, payloads
-from fairqueue.jobs.admission import document_key, flood_utilisation, shard_tag, tenant_key, tenant_limit_for
+from fairqueue.jobs import cells, live, payloads
+from fairqueue.jobs.admission import (
+    QUARANTINE_KEY,
+    document_key,
+    flood_utilisation,
+    shard_tag,
+    tenant_key,
+    tenant_limit_for,
+)
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.eta import job_eta
 from fairqueue.jobs.explain import limit_sentences, load_sentence, seconds_text
 from fairqueue.jobs.list_cursor import cursor_decode, cursor_encode, jobs_after
 from fairqueue.jobs.models import DEFERRED_STATUSES, SUB_TENANT_SET, Job, JobStatus
+from fairqueue.jobs.quarantine import LANE as QUARANTINE_LANE
 from fairqueue.jobs.registry import task_get
 from fairqueue.jobs.runtime import engine
 from fairqueue.jobs.task_limits import effective_timeout
 from tenants.models import Tenant
-from tenants.policy import PolicySnapshot, policy_snapshot
+from tenants.policy import PolicySnapshot, TenantPolicy, policy_snapshot
 from tenants.resource_limits import resource_limits_read
 
 
@@ -133,6 +141,7 @@ def job_waiting_on(job: Job) -> dict[str, Any] | None:
     key_state = engine().inspect_key(tag=tag, key=state.parked_on, holders=False)
     return {
         "key": state.parked_on,
+        "lane": QUARANTINE_LANE if state.parked_on == QUARANTINE_KEY else None,
         "limit": key_state.limit,
         "holders": key_state.held,
         "position": state.position,
@@ -195,6 +204,9 @@ def job_to_dict(job: Job, *, explain: bool = False) -> dict[str, Any]:
         "parent_id": job.parent_id,
         "children": children_summary(job.id) if explain else None,
         "waiting_on": job_waiting_on(job) if explain else None,
+        "quarantined": job.quarantined,
+        "quarantined_at": job.quarantined_at,
+        "quarantine_reason": job.quarantine_reason or None,
     }
 
 
@@ -234,9 +246,26 @@ def tenant_limits_explain(*, tenant: Tenant) -> dict[str, Any]:
             "batch_in_flight": fleet.batch_in_flight,
             "room": fleet.pool_room(tp.shard),
             "floor_headroom": policy.pool.floor_headroom,
+            "quarantine_slots": policy.pool.quarantine_slots,
             "flood_utilisation": round(flood_utilisation(slots=fleet.slots, headroom=policy.pool.floor_headroom), 4),
         },
         "resources": resources_explain(policy),
+        "quotas": quotas_explain(policy, tp),
+    }
+
+
+def quotas_explain(policy: PolicySnapshot, tp: TenantPolicy) -> dict[str, Any]:
+    """The tenant's backlog quotas and submission rate, and what waits against them now."""
+    interactive = cells.tenant_cells(tp.slug, policy.classes)
+    batch = cells.tenant_cells(tp.slug, [cells.BATCH_CLASS])
+    counts = cells.cells_count([*interactive, *batch])
+    return {
+        "backlog_quota": policy.pool.backlog_quota_of(tp, batch=False),
+        "waiting": sum(counts[c] for c in interactive),
+        "batch_backlog_quota": policy.pool.backlog_quota_of(tp, batch=True),
+        "batch_waiting": sum(counts[c] for c in batch),
+        "submit_rate": policy.pool.submit_rate_of(tp),
+        "submit_burst": policy.pool.submit_burst,
     }
 
 

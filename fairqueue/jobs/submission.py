@@ -4,7 +4,9 @@ The row is committed first (the database is the truth); the engine then admits o
 the job in one round trip (fairqueue.jobs.dispatch). Bulk submissions are all valid or
 none is written.
 
-A submit costs one statement (a single INSERT, or one multi-row INSERT for a bulk, in one
+A submit costs one Redis round trip before anything is written (its quotas checked and
+its jobs entered in their cells in one atomic call: fairqueue.jobs.quotas; a 429 past
+them), one statement (a single INSERT, or one multi-row INSERT for a bulk, in one
 transaction), one engine round trip and one broker round trip. The rows are written
 `queued` with `admitted_at` set, which is what an admission records, so an admitted job
 needs no second write: only a parked job is updated (to `parked`). If the admission does
@@ -25,7 +27,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
@@ -43,6 +45,7 @@ from fairqueue.jobs.dispatch import jobs_admit
 from fairqueue.jobs.errors import JobError
 from fairqueue.jobs.fastinit import builder
 from fairqueue.jobs.models import JOIN_INDEX, KEY_SEPARATOR, Job, JobStatus
+from fairqueue.jobs.quotas import backlog_enter, backlog_leave
 from fairqueue.jobs.registry import is_continuation, task_get
 from fairqueue.jobs.task_limits import valid_limit
 from tenants.models import Tenant
@@ -332,16 +335,31 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
         _offload_large_args(fresh)
         accepted_at = timezone.now()
         steps = tl.line(tl.SUBMITTED, at=accepted_at) + tl.line(tl.ADMITTED, at=accepted_at)
-        for job in fresh:
+        for n, job in enumerate(fresh):
+            # Set here, not by the database: the jobs enter their cells (scored by it) before
+            # their rows are written. A bulk's jobs a microsecond apart keep their order in
+            # whatever orders by it (a rebuild's re-entry, the pending sweep), as rows
+            # stamped one by one did.
+            job.submitted_at = accepted_at + timedelta(microseconds=n)
             if job.status == JobStatus.QUEUED:
                 job.admitted_at = accepted_at  # see the module docstring
                 job.timeline = steps
             else:  # scheduled: admitted when due (fairqueue.jobs.due)
                 job.timeline = tl.line(tl.SUBMITTED, at=accepted_at)
+        tp = policy.tenants.get(tenant.slug)
+        # The quotas are checked and the jobs enter their cells in one atomic call, before
+        # anything is written: a refusal (429) writes nothing (fairqueue.jobs.quotas).
+        try:
+            entered = tp is not None and backlog_enter(tp=tp, policy=policy, jobs=fresh)
+        except BaseException:
+            _discard_offloaded(fresh)
+            raise
         try:
             _insert(fresh)
         except IntegrityError as exc:
             _discard_offloaded(fresh)
+            if entered:
+                backlog_leave(fresh)
             # A concurrent request won the race on an idempotency key: answer with its jobs.
             # Any other integrity error (or a race that keeps repeating) is not retried.
             if not keys or not _idempotency_taken(tenant, keys, existing) or attempt == IDEMPOTENCY_RACE_RETRIES:
@@ -352,8 +370,10 @@ def job_submit_bulk(*, tenant: Tenant, reqs: Sequence[JobRequest], single: bool 
             continue
         except BaseException:
             _discard_offloaded(fresh)
+            if entered:
+                backlog_leave(fresh)
             raise
-        _after_commit(tenant=tenant, jobs=fresh, policy=policy)
+        _after_commit(tenant=tenant, jobs=fresh, policy=policy, entered=entered)
         it = iter(fresh)
         return [r if r is not None else SubmitResult(next(it), created=True) for r in results]
     raise AssertionError("unreachable: the loop returns or raises")
@@ -391,7 +411,7 @@ def _idempotency_taken(tenant: Tenant, keys: list[str], seen: dict[str, Job]) ->
     return Job.objects.filter(tenant=tenant, idempotency_key__in=keys).exclude(idempotency_key__in=list(seen)).exists()
 
 
-def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot) -> None:
+def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot, entered: bool = False) -> None:
     """Best-effort work after the rows are committed: signals, counters, admission.
     Nothing here may turn an accepted submit into an error. A scheduled job is neither
     admitted nor counted in the tenant's arrival rate here: it arrives when it is due
@@ -407,7 +427,8 @@ def _after_commit(*, tenant: Tenant, jobs: Sequence[Job], policy: PolicySnapshot
         return
     jobs = due_now
     try:
-        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=True)
+        # Jobs the quota check entered in their cells already are not entered again.
+        jobs_admit(jobs, policy=policy, strict=True, fresh=True, enter_cells=not entered)
     except redis.RedisError:
         log.warning("Redis unreachable: %d accepted job(s) wait for the pending sweep", len(jobs))
         _admission_pending(jobs)

@@ -23,6 +23,7 @@ PENDING = "pending"  # accepted, waiting for the engine (Redis unreachable, stat
 STARTED = "started"
 RECLAIMED = "reclaimed"
 REQUEUED = "requeued"
+QUARANTINED = "quarantined"  # moved to the quarantine lane after worker deaths (fairqueue.jobs.quarantine)
 # An attempt that failed and will be tried again: the job is not finished, it waits for
 # its backoff (`retry_scheduled <due time>`), then the due promotion admits it again.
 ATTEMPT_FAILED = "attempt_failed"

@@ -14,8 +14,8 @@ import sys
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 
-from fairqueue.apiserver import API_PREFIX
 from fairqueue.jobs.database import is_transient
+from fairqueue.mount import api_prefix
 
 DATABASE_UNAVAILABLE = "database_unavailable"
 DATABASE_UNAVAILABLE_MESSAGE = "The database is unavailable; nothing was written. Retry shortly."
@@ -38,7 +38,8 @@ def unavailable_json(code: str, message: str) -> JsonResponse:
 def server_error(request: HttpRequest) -> HttpResponse:
     """Django's handler500, called inside the `except` that caught the request's error."""
     error = sys.exc_info()[1]
-    api = request.path.startswith(API_PREFIX)
+    prefix = api_prefix()
+    api = prefix is not None and request.path_info.startswith(prefix)
     if error is not None and is_transient(error):
         if api:
             return unavailable_json(DATABASE_UNAVAILABLE, DATABASE_UNAVAILABLE_MESSAGE)

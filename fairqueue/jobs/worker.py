@@ -20,10 +20,11 @@ import time
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
-from django.conf import settings
 
-from fairqueue.jobs import stats
+from fairqueue.conf import fq_settings
+from fairqueue.jobs import stats, task_events
 from fairqueue.jobs.backpressure import Backpressure
+from fairqueue.jobs.celery_host import consumes_fairqueue
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
 from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
@@ -85,6 +86,12 @@ def _ticker(interval: float, lease: DutyLease) -> None:
 def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     global _hostname, _lease, _backpressure
     hostname = getattr(sender, "hostname", None) or "worker"
+    consumed = sender.app.amqp.queues.consume_from or sender.app.amqp.queues
+    if not consumes_fairqueue(consumed):
+        # The project's own worker (its default queue): no FairQueue job reaches it, so it
+        # offers no slots (they would inflate the pool the limits share) and runs no duties.
+        log.info("worker %s consumes none of FairQueue's queues: not a FairQueue worker", hostname)
+        return
     _hostname = hostname
     slots = int(getattr(sender.controller, "concurrency", 0) or sender.app.conf.worker_concurrency or 1)
     pool = str(getattr(sender.controller, "pool_cls", "") or sender.app.conf.worker_pool or "")
@@ -102,15 +109,17 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     threading.Thread(
         target=_heartbeat, args=(hostname, slots, backpressure), name="fairqueue-heartbeat", daemon=True
     ).start()
-    interval = min(max(float(settings.FAIRQUEUE["LEASE_SECONDS"]) / 2, 0.5), TICK_SECONDS)
+    interval = min(max(float(fq_settings().LEASE_SECONDS) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
     threading.Thread(target=_ticker, args=(interval, _lease), name="fairqueue-ticker", daemon=True).start()
     # A slot pulls its next delivery only while the worker runs fewer jobs than it offers.
     handoff_enable(
         lambda: _consumed_queues(sender),
         may_start=lambda: active_leases.count()[0] < backpressure.offered,
-        pull=bool(settings.FAIRQUEUE["PULL_DELIVERIES"]),
+        pull=bool(fq_settings().PULL_DELIVERIES),
     )
+    # Each job run in Celery's events and `inspect active` under its own task name.
+    task_events.task_events_enable(sender)
     log.info("worker %s registered with %s slots", hostname, slots)
 
 
@@ -126,7 +135,7 @@ def _on_worker_shutting_down(sig: str | None = None, how: str | None = None, **k
     """SIGTERM (an autoscaler scaling in): finish what we can within the grace period,
     starting nothing new: jobs woken from now on are published for other workers."""
     handoff_stop()
-    grace = float(settings.FAIRQUEUE["SHUTDOWN_GRACE_SECONDS"])
+    grace = float(fq_settings().SHUTDOWN_GRACE_SECONDS)
     threading.Thread(target=_drain, args=(grace,), name="fairqueue-drain", daemon=True).start()
 
 

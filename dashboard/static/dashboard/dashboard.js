@@ -5,7 +5,7 @@
 (function () {
   "use strict";
   var script = document.currentScript;
-  var wsPath = (script && script.dataset.wsPath) || "/ws/dashboard/";
+  var wsPath = script.dataset.wsPath; // the page says where (the host's prefix)
   var adminUrl = (script && script.dataset.tenantAdmin) || "/dashboard/tenants/__slug__/admin/";
   var HISTORY_LEN = +((script && script.dataset.historyLen) || 120);
   var PINS_KEY = "fairqueue.dashboard.pins";
@@ -113,6 +113,13 @@
     setText("pool-batch-share", pct(p.batch_share));
     setText("pool-target", p.target);
     setText("pool-workers", p.workers);
+  }
+  function renderQuarantine(q) {
+    if (!q) return;
+    setText("quarantine-slots", q.slots);
+    setText("quarantine-running", q.running);
+    setText("quarantine-waiting", q.waiting);
+    setText("quarantine-oldest", q.oldest_wait_s == null ? "—" : q.oldest_wait_s.toFixed(1) + " s");
   }
   function renderTotals(t) {
     setText("total-tenants", t.tenants);
@@ -507,6 +514,7 @@
     Object.keys(S.grid.cells).forEach(function (key) { cellDecode(S.grid.cells[key]); });
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     renderPool(S.pool);
+    renderQuarantine(S.quarantine);
     renderTotals(S.totals);
     renderGrid();
     renderRed();
@@ -520,6 +528,7 @@
     S.ts = d.ts;
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     if (d.pool) { merge(S.pool, d.pool); renderPool(S.pool); }
+    if (d.quarantine) { S.quarantine = S.quarantine || {}; merge(S.quarantine, d.quarantine); renderQuarantine(S.quarantine); }
     ["top", "top_n", "red", "workers", "resources", "policy_changes"].forEach(function (k) { if (k in d) S[k] = d[k]; });
     if (d.totals || "top_n" in d) { merge(S.totals, d.totals || {}); renderTotals(S.totals); }
     if (d.rows) {

@@ -1,5 +1,6 @@
 """``python manage.py bench <name>``: benchmarks, one subcommand each (``engine``,
-``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``, ``fleet``, ``job-list``)."""
+``engine-ab``, ``noisy``, ``submit``, ``throughput``, ``whatif``, ``backoff``, ``fleet``, ``job-list``,
+``parked-memory``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fairqueue.bench import (
     fleet_bench,
     joblist_bench,
     noisy,
+    parked_memory,
     submit,
     throughput,
     whatif_bench,
@@ -30,7 +32,7 @@ class Command(BaseCommand):
         subparsers = parser.add_subparsers(
             dest="bench",
             required=True,
-            metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff,fleet,job-list}",
+            metavar="{engine,engine-ab,noisy,submit,throughput,whatif,backoff,fleet,job-list,parked-memory}",
         )
         engine = subparsers.add_parser("engine", help="cost of one engine decision against real Redis")
         engine.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
@@ -56,6 +58,9 @@ class Command(BaseCommand):
         )
         joblist_bench.add_arguments(
             subparsers.add_parser("job-list", help="GET /api/v1/jobs at a million jobs: pages, cursor, filters (P99)")
+        )
+        parked_memory.add_arguments(
+            subparsers.add_parser("parked-memory", help="bytes per parked job in the engine's Redis, by structure")
         )
         whatif = subparsers.add_parser("whatif", help="the what-if model's speed on a synthetic day of a busy shard")
         whatif.add_argument("--quick", action="store_true", help="one hour instead of a day (smoke test)")
@@ -86,7 +91,7 @@ class Command(BaseCommand):
             if options["hours"] is not None and not 0 < options["hours"] <= 24 * 7:
                 raise CommandError(f"--hours must be more than 0 and at most 168, not {options['hours']}")
             result = whatif_bench.run(quick=options["quick"], hours=options["hours"], log=self.stdout.write)
-        elif options["bench"] in ("noisy", "submit", "throughput", "backoff", "fleet", "job-list"):
+        elif options["bench"] in ("noisy", "submit", "throughput", "backoff", "fleet", "job-list", "parked-memory"):
             modules = {
                 "noisy": noisy,
                 "submit": submit,
@@ -94,6 +99,7 @@ class Command(BaseCommand):
                 "backoff": backoff_bench,
                 "fleet": fleet_bench,
                 "job-list": joblist_bench,
+                "parked-memory": parked_memory,
             }
             module = modules[options["bench"]]
             if options["bench"] == "noisy" and options.get("documents"):

@@ -37,6 +37,13 @@ class Command(BaseCommand):
         parser.add_argument("--burst-size", type=int, default=1500)
         parser.add_argument("--duration", type=float, default=0, help="Stop after this many seconds (0 = forever).")
         parser.add_argument("--seed", type=int, default=7)
+        parser.add_argument(
+            "--hungry-every",
+            type=float,
+            default=120.0,
+            help="Mean seconds between memory-hungry jobs (demo.hungry), which kill a lean worker and move to the "
+            "quarantine lane (0 = none).",
+        )
 
     def handle(self, *args: Any, **opts: Any) -> None:
         self.base = opts["base_url"].rstrip("/")
@@ -76,6 +83,8 @@ class Command(BaseCommand):
             # are one flow at globex's key, so the small documents keep flowing past it.
             ("globex", 0.5, _document),
         ]
+        if opts["hungry_every"] > 0:
+            streams.append(("globex", 1 / opts["hungry_every"], lambda r: {"task": "demo.hungry", "args": {"mb": 400}}))
         threads = [
             threading.Thread(target=self._steady, args=(slug, rate, body, random.Random(rng.random())), daemon=True)
             for slug, rate, body in streams

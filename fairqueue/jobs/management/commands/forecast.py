@@ -15,6 +15,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from fairqueue.conf import fq_settings
 from fairqueue.jobs.forecast_replay import TraceError, replay, trace_read, trace_synthetic, trace_write
 
 DEFAULT_TARGET = 0.85  # the pool's default target utilisation (tenants.models.PoolSettings)
@@ -36,16 +37,16 @@ class Command(BaseCommand):
         parser.add_argument("--quick", action="store_true", help="synthetic: two smaller weeks (the test suite's run)")
         parser.add_argument("--weeks", type=int, default=SYNTHETIC_WEEKS, help="synthetic: weeks generated")
         parser.add_argument("--seed", type=int, default=1, help="synthetic: random seed")
-        conf = settings.FAIRQUEUE["FORECAST"]
+        conf = fq_settings().FORECAST
         parser.add_argument(
-            "--warmup-minutes", type=float, default=conf["WARMUP_SECONDS"] / 60, help="time until a new worker serves"
+            "--warmup-minutes", type=float, default=conf.WARMUP_SECONDS / 60, help="time until a new worker serves"
         )
         parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target utilisation")
         parser.add_argument("--worker-slots", type=int, default=settings.CELERY_WORKER_CONCURRENCY)
         parser.add_argument("--min-slots", type=int, default=None, help="the fleet's minimum (default: one worker)")
-        parser.add_argument("--spread", type=float, default=conf["SPREAD_SIGMAS"], help="forecast headroom (sigmas)")
-        parser.add_argument("--profile-weeks", type=int, default=conf["WEEKS"], help="weeks the profile smooths over")
-        parser.add_argument("--decay", type=float, default=conf["DECAY"], help="weight of each older week")
+        parser.add_argument("--spread", type=float, default=conf.SPREAD_SIGMAS, help="forecast headroom (sigmas)")
+        parser.add_argument("--profile-weeks", type=int, default=conf.WEEKS, help="weeks the profile smooths over")
+        parser.add_argument("--decay", type=float, default=conf.DECAY, help="weight of each older week")
 
     def handle(self, *args: Any, **opts: Any) -> None:
         if not 0 < opts["target"] <= 1:

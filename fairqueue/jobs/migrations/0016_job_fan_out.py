@@ -6,8 +6,8 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("jobs", "0013_job_list_filter_indexes"),
-        ("tenants", "0009_tenant_max_fan_out"),
+        ("jobs", "0015_job_quarantine"),
+        ("tenants", "0011_tenant_max_fan_out"),
     ]
 
     operations = [

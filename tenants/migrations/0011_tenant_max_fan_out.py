@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("tenants", "0008_policy_roles"),
+        ("tenants", "0010_pool_quarantine_lane"),
     ]
 
     operations = [
