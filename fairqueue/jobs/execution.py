@@ -334,7 +334,10 @@ def _job_run(
         stats.count({"retrying": "retried", "awaiting": "fanout:parents"}.get(outcome, f"finished:{fields['status']}"))
         if job.resources and fields["status"] in (JobStatus.SUCCEEDED, JobStatus.AWAITING):
             job_resources_succeeded(job)
-    _run_events(job_id, recorded=recorded, outcome=outcome, fields=fields, error=summary, runtime=finished - now)
+    try:
+        _run_events(job_id, recorded=recorded, outcome=outcome, fields=fields, error=summary, runtime=finished - now)
+    except Exception:  # Celery's monitoring only: the outcome is recorded, the slot must be released
+        log.warning("could not send the task event of job %s", job_id, exc_info=True)
     kept = job_release_keeping(job, keep)
     # After the release: the join may submit the continuation, which may take this slot.
     if recorded and outcome == "awaiting":
@@ -366,6 +369,8 @@ def _run_events(
     elif outcome == "succeeded":
         result = fields.get("result") if fields.get("result_ref") is None else {"ref": fields["result_ref"]}
         task_events.run_succeeded(job_id=job_id, result=result, runtime=runtime.total_seconds())
+    elif outcome == "awaiting":  # a fan-out parent's own run ended well: its children run next
+        task_events.run_succeeded(job_id=job_id, result=None, runtime=runtime.total_seconds())
     elif outcome == "retrying":
         task_events.run_retried(job_id=job_id, exception=error, traceback=fields["error"])
     else:
