@@ -23,6 +23,7 @@ from tenants.keys import SYNCED_KEY
 from tenants.policy import CHECK_INTERVAL_SECONDS, policy_invalidate
 from tests.base import RedisTestCase, RedisTransactionTestCase
 from tests.factories import make_tenant
+from tests.redis_commands import ProcessCommands
 from tests.workers import LOG_DIR, wait_for, worker_env
 
 JOBS = "/api/v1/jobs"
@@ -42,15 +43,6 @@ REDIS_PER_ADMITTED_SUBMIT = 6 + 16
 # the submission counters): a bound for the whole run, not per submit.
 REDIS_PERIODIC_ALLOWANCE = 40
 INVALIDATION_DEADLINE_S = 5.0
-
-
-def commandstats(client: redis.Redis) -> dict[str, int]:
-    return {name: int(stat["calls"]) for name, stat in client.info("commandstats").items()}
-
-
-def commands_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    delta = {name: after[name] - before.get(name, 0) for name in after if name != "cmdstat_info"}
-    return {name: n for name, n in delta.items() if n}
 
 
 class SubmitCostTests(RedisTransactionTestCase):
@@ -74,11 +66,10 @@ class SubmitCostTests(RedisTransactionTestCase):
 
     def test_a_submit_is_one_insert_one_engine_call_and_one_publish(self) -> None:
         self.post(JOBS, NOOP)  # warm up: the key, the policy, the tenant's signals
-        before = commandstats(self.redis)
-        with CaptureQueriesContext(connection) as queries:
+        with CaptureQueriesContext(connection) as queries, ProcessCommands(settings.REDIS_URL) as own:
             for _ in range(SUBMITS):
                 self.post(JOBS, NOOP)
-        redis_delta = commands_between(before, commandstats(self.redis))
+        redis_delta = own.counts
         statements = [q["sql"] for q in queries.captured_queries]
         self.assertEqual(len(statements), SUBMITS, statements[:5])  # no key lookup, no second write
         self.assertTrue(all(sql.startswith('INSERT INTO "jobs_job"') for sql in statements), statements[:5])
@@ -93,10 +84,9 @@ class SubmitCostTests(RedisTransactionTestCase):
     def test_a_bulk_is_one_insert_one_engine_call_and_one_broker_pipeline(self) -> None:
         self.post(BULK, {"jobs": [NOOP]})  # warm up
         jobs = 20  # one multi-row INSERT on SQLite too (its statements take at most 999 values)
-        before = commandstats(self.redis)
-        with CaptureQueriesContext(connection) as queries:
+        with CaptureQueriesContext(connection) as queries, ProcessCommands(settings.REDIS_URL) as own:
             self.post(BULK, {"jobs": [NOOP] * jobs})
-        redis_delta = commands_between(before, commandstats(self.redis))
+        redis_delta = own.counts
         statements = [q["sql"] for q in queries.captured_queries if not q["sql"].startswith(("BEGIN", "COMMIT"))]
         self.assertEqual(len(statements), 1, statements)
         # One multi-row INSERT, or on PostgreSQL one COPY (fairqueue.jobs.copy_insert).
