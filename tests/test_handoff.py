@@ -381,15 +381,19 @@ class HandoffEndToEndTests(E2EBase):
         self.assertEqual(broker_messages(), 1, "the engine still held its slot: published at once")
         with WorkerProcess(slots=1, name="after"):
             wait_for(lambda: Job.objects.get(id=second.id).status == JobStatus.SUCCEEDED, message="second runs")
-        row = Job.objects.get(id=second.id)
+            row = Job.objects.get(id=second.id)
+            # The worker releases the slot just after it records the outcome: poll, don't race
+            # it, and keep the worker alive meanwhile (killed first, it would leave the hold to
+            # its lease's expiry).
+            wait_for(
+                lambda: (
+                    engine().counts(tag=row.engine_tag, keys=[tenant_key("fault")]).get(tenant_key("fault"), 0) == 0
+                ),
+                timeout=30,
+                message="no hold left behind",
+            )
         self.assertEqual((row.attempts, row.worker_losses), (1, 0))
         self.assertEqual(LedgerEntry.objects.get(job_id=second.id).writes, 1)
-        # The worker releases the slot just after it records the outcome: poll, don't race it.
-        wait_for(
-            lambda: engine().counts(tag=row.engine_tag, keys=[tenant_key("fault")]).get(tenant_key("fault"), 0) == 0,
-            timeout=30,
-            message="no hold left behind",
-        )
 
     def test_a_worker_killed_mid_chain_runs_no_job_twice_and_its_redelivered_message_is_skipped(self) -> None:
         _, key = make_tenant("killed", max_concurrency=1)

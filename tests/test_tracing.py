@@ -173,7 +173,11 @@ class TracingEndToEndTests(E2EBase):
             def arrived() -> list[ReceivedSpan] | None:
                 spans = [s for s in self.receiver.spans() if s.trace_id == trace_id]
                 releases = [s for s in spans if s.name == "fairqueue.release"]
-                return spans if len(releases) == len(ids) else None
+                # A span is exported when it ends, so an enclosing span (a run's delivery)
+                # can arrive after the spans inside it: wait for every parent too.
+                known = {s.span_id for s in spans}
+                parents_in = all(not s.parent_id or s.parent_id in known for s in spans)
+                return spans if len(releases) == len(ids) and parents_in else None
 
             spans = sorted(wait_for(arrived, timeout=60, message="the bulk's spans"), key=lambda s: s.start_ns)
         self.assertConnected(spans)
