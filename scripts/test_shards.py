@@ -120,6 +120,7 @@ def shard_env(index: int, redis_server: PrivateRedis | None) -> dict[str, str]:
         env["FAIRQUEUE_TEST_DB_NAME"] = str(ROOT / f"test_db_shard{index}.sqlite3")
     env["FAIRQUEUE_PAYLOAD_DIR"] = str(ROOT / "var" / f"payloads-shard{index}")
     env["FAIRQUEUE_TEST_LOG_DIR"] = str(LOG_DIR / f"shard{index}")
+    env["FAIRQUEUE_BENCH_DIR"] = str(ROOT / "var" / "bench" / f"shard{index}")
     return env
 
 

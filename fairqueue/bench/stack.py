@@ -29,7 +29,9 @@ from fairqueue.engine.cluster import connect
 from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, broker_is_amqp
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH_DIR = ROOT / "var" / "bench"
+# Where a bench keeps its databases, logs and records; FAIRQUEUE_BENCH_DIR gives each of the
+# test suite's parallel shards its own (two benches in one folder share a template database).
+BENCH_DIR = Path(os.environ.get("FAIRQUEUE_BENCH_DIR") or ROOT / "var" / "bench")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/8"
 ASGI_APP = "fairqueue.asgi:application"
 SEEN_KEY = "fq:workers:seen"  # fairqueue.jobs.worker.SEEN_KEY (not imported: no Django needed here)
