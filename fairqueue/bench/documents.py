@@ -271,6 +271,7 @@ def _policy_setup(w: DocWorkload) -> dict[str, Any]:
 def _drive(mode: str, plan: list[PlannedDoc], w: DocWorkload, tenants: dict[str, Any]) -> dict[str, Any]:
     """Submit the plan in real time, one thread per tenant; returns what fifo must remember
     (document id -> tenant, submit time, its pages' ids)."""
+    # Deferred: the child process configures Django (django.setup) before this runs.
     from django.db import connections
 
     from fairqueue.bench.tasks import PLAIN_TASK_NAME
@@ -320,6 +321,7 @@ def _drive(mode: str, plan: list[PlannedDoc], w: DocWorkload, tenants: dict[str,
 
 
 def _wait_done(mode: str, plan: list[PlannedDoc], timeout: float) -> None:
+    # Deferred: the child process configures Django (django.setup) before this runs.
     from fairqueue.bench.tasks import RUNS_KEY
     from fairqueue.jobs.models import TERMINAL_STATUSES, Job
     from fairqueue.jobs.runtime import redis_client
@@ -339,6 +341,7 @@ def _wait_done(mode: str, plan: list[PlannedDoc], timeout: float) -> None:
 
 
 def _fifo_records(sent: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # Deferred: the child process configures Django (django.setup) before this runs.
     from fairqueue.bench.tasks import RUNS_KEY
     from fairqueue.jobs.runtime import redis_client
 
@@ -356,6 +359,7 @@ def _fifo_records(sent: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict
 
 
 def _fairqueue_records(mode: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    # Deferred: the child process configures Django (django.setup) before this runs.
     from fairqueue.jobs.models import JOIN_INDEX, Job, JobStatus
 
     def at(value: Any) -> float:
