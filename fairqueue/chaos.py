@@ -985,8 +985,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     lines.append(f"  Redis restart = {d['redis_restart_method']}")
     if d["failure_reasons"]:
         lines.append(f"  failure reasons: {d['failure_reasons']}")
-    if report["lost"]:
-        lines.append(f"  lost jobs by status: {d['lost_statuses']}; e.g. {d['lost_ids'][:5]}")
+    if report["lost"] or report["stuck"]:
+        lines.append(f"  lost or stuck jobs by status: {d['lost_statuses']}; e.g. {d['lost_ids'][:5]}")
     if report["leaked_holds"]:
         lines.append(f"  engine leftovers: {d['engine_leftovers']}")
     if d["http_errors"]:

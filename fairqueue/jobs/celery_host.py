@@ -11,8 +11,9 @@ defaults for the project's own tasks:
 - A worker that consumes FairQueue's queues (`celery -A <project> worker -Q fq.jobs,fq.batch
   -P threads`) is a FairQueue worker: before it starts (Celery's `celeryd_init`), it declares
   those queues with their priorities, reads them with FairQueue's transport options and one
-  message per slot. The project's own tasks published from that process keep the app's
-  pool, made with the project's options before FairQueue's are set.
+  message per slot, on Redis through a transport that survives broker restarts
+  (fairqueue/jobs/broker_transport.py). The project's own tasks published from that
+  process keep the app's pool, made with the project's options before FairQueue's are set.
 - A worker that consumes none of them is the project's own: FairQueue registers no slots
   and runs no duties there (fairqueue.jobs.worker).
 """
@@ -30,6 +31,7 @@ from celery.utils.text import str_to_list
 from kombu import Connection, Exchange, Queue, pools
 
 from fairqueue.conf import FairQueueSettings, fq_settings
+from fairqueue.jobs.broker_transport import transport_for
 from fairqueue.queues import BATCH_QUEUE, JOBS_QUEUE, QUARANTINE_QUEUE, broker_transport_options, task_queues
 
 log = logging.getLogger("fairqueue.worker")
@@ -108,6 +110,9 @@ def _on_celeryd_init(sender: Any = None, instance: Any = None, conf: Any = None,
     # consumer's loop then both talk on the one AMQP connection and deadlock. FairQueue sets
     # the prefetch itself, from the consumer's loop (backpressure.prefetch_apply).
     conf.worker_enable_prefetch_count_reduction = False
+    transport = transport_for(str(conf.broker_url), conf.broker_transport)
+    if transport is not None:
+        conf.broker_transport = transport
     log.info("worker %s consumes FairQueue's queues: FairQueue's transport options and prefetch apply", sender)
 
 
