@@ -170,16 +170,22 @@ class TracingEndToEndTests(E2EBase):
             self.assertEqual(len({j.traceparent for j in jobs}), 1, "one request, one trace")
             trace_id = _trace_id(jobs[0])
 
+            missing: list[str] = []
+
             def arrived() -> list[ReceivedSpan] | None:
                 spans = [s for s in self.receiver.spans() if s.trace_id == trace_id]
                 releases = [s for s in spans if s.name == "fairqueue.release"]
                 # A span is exported when it ends, so an enclosing span (a run's delivery)
                 # can arrive after the spans inside it: wait for every parent too.
                 known = {s.span_id for s in spans}
-                parents_in = all(not s.parent_id or s.parent_id in known for s in spans)
-                return spans if len(releases) == len(ids) and parents_in else None
+                orphans = [f"{s.service}:{s.name}" for s in spans if s.parent_id and s.parent_id not in known]
+                missing[:] = [f"{len(releases)} of {len(ids)} releases", f"parents not in: {orphans}"]
+                return spans if len(releases) == len(ids) and not orphans else None
 
-            spans = sorted(wait_for(arrived, timeout=60, message="the bulk's spans"), key=lambda s: s.start_ns)
+            try:
+                spans = sorted(wait_for(arrived, timeout=60, message="the bulk's spans"), key=lambda s: s.start_ns)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {missing}; timelines: {[j.timeline for j in jobs]}") from exc
         self.assertConnected(spans)
         admissions = [s for s in spans if s.name == "fairqueue.admission"]
         self.assertEqual(len(admissions), 1, [s.attributes for s in admissions])
