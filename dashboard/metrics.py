@@ -359,6 +359,14 @@ def _quarantine_families(lane: dict[str, Any] | None) -> list[Metric]:
             "Age of the oldest quarantined job not yet started (0 when none waits).",
             value=lane["oldest_wait_s"] or 0.0,
         ),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_workers",
+            "Live quarantine workers (alert when jobs wait in the lane and this is 0).",
+            value=lane["workers"],
+        ),
+        GaugeMetricFamily(
+            "fairqueue_quarantine_worker_slots", "Slots of the live quarantine workers.", value=lane["worker_slots"]
+        ),
     ]
 
 

@@ -31,7 +31,8 @@ JSON shape (all numbers plain; ages and durations in seconds)::
                "target",        # slots x target utilisation
                "floor_headroom", "flood_utilisation"},  # slots kept for floors, and their cost
       "quarantine": {"slots" (the lane's cap per shard), "running" (jobs holding a lane slot),
-                     "waiting", "oldest_wait_s" (null when none waits)},  # fairqueue.jobs.quarantine
+                     "waiting", "oldest_wait_s" (null when none waits),
+                     "workers", "worker_slots"},  # its live workers (not the pool's); fairqueue.jobs.quarantine
       "shards": ["default", ...], "classes": ["critical", "high", "default", "low", "batch"],
       "tenants": [{"slug", "name", "active", "shard", "floor", "limit", "in_flight",
                    "parked_by_class": {class: n}, "parked", "waiting",
@@ -280,7 +281,7 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         shard_held, batch_held, lane_held = kept.shard_held[shard]
         quarantine_held += lane_held
         batch_in_flight += batch_held
-        in_flight += max(0, shard_held - batch_held)
+        in_flight += max(0, shard_held - batch_held - lane_held)  # the pool's: the lane's run elsewhere
     limits_version: str | None = next(results)
     markers_raw = next(results)
     in_flight_documents = documents.documents_parse(next(results) or {})
@@ -341,6 +342,8 @@ def _snapshot_build(*, record: bool, with_history: bool) -> dict[str, Any]:
         "running": quarantine_held,
         "waiting": sum(c.waiting for c in lane_cells),
         "oldest_wait_s": age(min(lane_oldest)) if lane_oldest else None,
+        "workers": fleet["quarantine_workers"],
+        "worker_slots": fleet["quarantine_slots"],
     }
     tenant_rows = roster.rows.build(
         RowsInputs(signals, kept.limits_raw, holders, view, (slots, in_flight)),

@@ -124,7 +124,18 @@ class RegistryTests(RedisTestCase):
         for key in (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY):
             self.assertEqual(self.redis.hkeys(key), [alive.encode()], key)
         self.assertEqual(self.redis.zrange(SEEN_KEY, 0, -1), [alive.encode()])
-        self.assertEqual(fleet_read(), {"workers": 1, "slots": 2, "busy": 1, "busy_batch": 0})
+        self.assertEqual(
+            fleet_read(),
+            {
+                "workers": 1,
+                "slots": 2,
+                "busy": 1,
+                "busy_batch": 0,
+                "quarantine_workers": 0,
+                "quarantine_slots": 0,
+                "quarantine_busy": 0,
+            },
+        )
 
 
 class RecentUseTests(SimpleTestCase):

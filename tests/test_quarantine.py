@@ -14,10 +14,13 @@ from django.test import Client, SimpleTestCase, override_settings
 from django.utils import timezone
 from kombu import Connection, Queue
 
+from dashboard.metrics import collector_register
 from dashboard.snapshot import snapshot_build
 from fairqueue.celery import app
 from fairqueue.jobs import timeline as tl
-from fairqueue.jobs.admission import QUARANTINE_KEY
+from fairqueue.jobs.admission import POOL_MARGIN, QUARANTINE_KEY
+from fairqueue.jobs.fleet import fleet_read, fleet_workers
+from fairqueue.jobs.live import fleet_state
 from fairqueue.jobs.models import Job, JobStatus, LedgerEntry
 from fairqueue.jobs.quarantine import Death, death_outcome
 from fairqueue.jobs.quarantine_actions import OPERATOR_FAILED
@@ -293,3 +296,44 @@ class DeathRuleTests(SimpleTestCase):
         pool = PoolPolicy(quarantine_after_losses=0)
         self.assertEqual(self.outcome(pool, losses=2), Death.RETRY)
         self.assertEqual(self.outcome(pool, losses=3), Death.POISON)
+
+
+class LaneSlotsTests(QuarantineBase):
+    def test_a_quarantine_workers_slots_are_the_lanes_and_never_the_pools_room(self) -> None:
+        _, key = make_tenant("roomy")
+        with (
+            WorkerProcess(slots=3, name="normal", **LEASE),
+            WorkerProcess(slots=2, name="lane", quarantine=True, **LEASE),
+        ):
+            wait_for(
+                lambda: (fleet_read()["workers"], fleet_read()["quarantine_workers"]) == (1, 1),
+                timeout=30,
+                message="a normal and a quarantine worker registered",
+            )
+            fleet = fleet_read()
+            self.assertEqual((fleet["slots"], fleet["quarantine_slots"]), (3, 2), fleet)
+            lanes = {w["hostname"].split("-")[0]: w["lane"] for w in fleet_workers()}
+            self.assertEqual(lanes, {"normal": "", "lane": "quarantine"})
+            # The shard's key may hold what the pool's slots run (plus the margin), not the lane's.
+            limits = self.client.get("/api/v1/limits", HTTP_AUTHORIZATION=f"Bearer {key}").json()
+            self.assertEqual(limits["pool"]["slots"], 3, limits["pool"])
+            self.assertEqual(limits["pool"]["room"], 3 + POOL_MARGIN, limits["pool"])
+            lane = snapshot_build(with_history=False)["quarantine"]
+            self.assertEqual((lane["workers"], lane["worker_slots"]), (1, 2), lane)
+            collector_register().invalidate()
+            metrics = Client().get("/metrics").content.decode()
+            self.assertIn("fairqueue_quarantine_workers 1.0", metrics)
+            self.assertIn("fairqueue_worker_slots 3.0", metrics)
+
+    def test_a_quarantined_job_running_in_the_lane_takes_no_room_from_the_pool(self) -> None:
+        # Its shard key holds it too (the shard's capacity protects the shard's database),
+        # but it runs on the lane's worker: the pool's room stays whole.
+        _, key = make_tenant("lanejob")
+        (job,) = self.quarantine_by_kill(key, seconds=30.0)
+        with WorkerProcess(slots=1, name="lane", quarantine=True, **LEASE):
+            wait_for(lambda: self.row(job).status == JobStatus.RUNNING, timeout=30, message="run in quarantine")
+            fleet = fleet_state(max_age=0)
+            self.assertEqual(fleet.lane_by_shard.get("default"), 1)
+            # The shard key's limit: the pool's room whole, the lane's holder on top of it.
+            self.assertEqual(fleet.pool_room("default"), fleet.slots + POOL_MARGIN + 1)
+            self.assertEqual(fleet.in_flight, 0, "the pool's slots run none of it")

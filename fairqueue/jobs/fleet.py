@@ -20,15 +20,20 @@ BUSY_BATCH_KEY = "fq:workers:busy_batch"  # HASH hostname -> running batch-lane 
 # these hold the slots it was started with and why it offers fewer (empty when it does not).
 CAPACITY_KEY = "fq:workers:capacity"  # HASH hostname -> configured slots
 REASON_KEY = "fq:workers:reason"  # HASH hostname -> "signal\tsentence", empty when none
-PER_WORKER_KEYS = (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY, CAPACITY_KEY, REASON_KEY)
+# The lane a worker serves: QUARANTINE_LANE for a quarantine worker (fairqueue.jobs.quarantine),
+# empty for the pool's. A quarantine worker's slots are the lane's, not the pool's: counted
+# in the pool, they would let normal jobs be admitted for slots only the lane's jobs reach.
+LANE_KEY = "fq:workers:lane"  # HASH hostname -> lane
+QUARANTINE_LANE = "quarantine"
+PER_WORKER_KEYS = (WORKERS_KEY, BUSY_KEY, BUSY_BATCH_KEY, CAPACITY_KEY, REASON_KEY, LANE_KEY)
 HEARTBEAT_SECONDS = 1.0
 WORKER_TTL_SECONDS = 6.0
 FORGET_AFTER_SECONDS = 10 * WORKER_TTL_SECONDS  # a silent worker's entry is then dropped
 
 
 def fleet_read() -> dict[str, int]:
-    """Live slots (as offered: backpressure shrinks them) and busy slots of the fleet: one
-    pipelined round trip."""
+    """Live slots (as offered: backpressure shrinks them) and busy slots of the pool's
+    workers, and apart from them the quarantine lane's: one pipelined round trip."""
     client = redis_client()
     now = time.time()
     pipe = client.pipeline(transaction=False)
@@ -36,12 +41,18 @@ def fleet_read() -> dict[str, int]:
     pipe.hgetall(WORKERS_KEY)
     pipe.hgetall(BUSY_KEY)
     pipe.hgetall(BUSY_BATCH_KEY)
-    live, slots, busy, busy_batch = pipe.execute()
+    pipe.hgetall(LANE_KEY)
+    live, slots, busy, busy_batch, lanes = pipe.execute()
+    lane = [h for h in live if lanes.get(h) == QUARANTINE_LANE]
+    pool = [h for h in live if lanes.get(h) != QUARANTINE_LANE]
     return {
-        "workers": len(live),
-        "slots": sum(int(slots.get(h, 0)) for h in live),
-        "busy": sum(int(busy.get(h, 0)) for h in live),
-        "busy_batch": sum(int(busy_batch.get(h, 0)) for h in live),
+        "workers": len(pool),
+        "slots": sum(int(slots.get(h, 0)) for h in pool),
+        "busy": sum(int(busy.get(h, 0)) for h in pool),
+        "busy_batch": sum(int(busy_batch.get(h, 0)) for h in pool),
+        "quarantine_workers": len(lane),
+        "quarantine_slots": sum(int(slots.get(h, 0)) for h in lane),
+        "quarantine_busy": sum(int(busy.get(h, 0)) for h in lane),
     }
 
 
@@ -53,7 +64,7 @@ def fleet_workers() -> list[dict[str, Any]]:
     pipe.zrangebyscore(SEEN_KEY, time.time() - WORKER_TTL_SECONDS, "+inf")
     for key in PER_WORKER_KEYS:
         pipe.hgetall(key)
-    live, slots, busy, busy_batch, capacity, reasons = pipe.execute()
+    live, slots, busy, busy_batch, capacity, reasons, lanes = pipe.execute()
     rows = []
     for hostname in sorted(live):
         signal, _, reason = reasons.get(hostname, "").partition("\t")
@@ -67,6 +78,7 @@ def fleet_workers() -> list[dict[str, Any]]:
                 "busy_batch": int(busy_batch.get(hostname, 0)),
                 "signal": signal,
                 "reason": reason,
+                "lane": lanes.get(hostname, ""),
             }
         )
     return rows
@@ -81,10 +93,12 @@ def worker_heartbeat(
     capacity: int | None = None,
     signal: str = "",
     reason: str = "",
+    lane: str = "",
 ) -> None:
     """Publish one worker's entry and forget workers silent for FORGET_AFTER_SECONDS.
 
-    `slots` is what the worker offers now; `capacity` what it was started with."""
+    `slots` is what the worker offers now; `capacity` what it was started with; `lane`
+    QUARANTINE_LANE for a quarantine worker."""
     client = redis_client()
     now = time.time()
     stale = client.zrangebyscore(SEEN_KEY, "-inf", now - FORGET_AFTER_SECONDS)
@@ -94,6 +108,7 @@ def worker_heartbeat(
     pipe.hset(BUSY_BATCH_KEY, hostname, running_batch)
     pipe.hset(CAPACITY_KEY, hostname, slots if capacity is None else capacity)
     pipe.hset(REASON_KEY, hostname, f"{signal}\t{reason}" if signal else "")
+    pipe.hset(LANE_KEY, hostname, lane)
     pipe.zadd(SEEN_KEY, {hostname: now})
     if stale:
         for key in PER_WORKER_KEYS:

@@ -25,7 +25,15 @@ from typing import Any
 import redis
 
 from fairqueue.engine.scripts import LUA_DIR
-from fairqueue.jobs.admission import BATCH_KEY, SHARD_KEY, LiveSignals, batch_limits, pool_room, shard_tag
+from fairqueue.jobs.admission import (
+    BATCH_KEY,
+    QUARANTINE_KEY,
+    SHARD_KEY,
+    LiveSignals,
+    batch_limits,
+    pool_room,
+    shard_tag,
+)
 from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.runtime import engine, redis_client
 from tenants.policy import policy_snapshot
@@ -141,11 +149,15 @@ class FleetState:
     busy: int = 0
     busy_batch: int = 0
     workers: int = 0
-    in_flight: int = 0  # non-batch jobs holding their slots across all shards
+    in_flight: int = 0  # non-batch jobs holding the pool's slots across all shards
     batch_in_flight: int = 0
     batch_by_shard: dict[str, int] = field(default_factory=dict)
-    # Each shard key's holders (batch included): what the pool's slots are shared over.
+    # Each shard key's holders (batch and quarantine lane included).
     held_by_shard: dict[str, int] = field(default_factory=dict)
+    # Each shard's quarantined jobs holding a lane slot: on the lane's workers, not the pool's.
+    lane_by_shard: dict[str, int] = field(default_factory=dict)
+    quarantine_workers: int = 0
+    quarantine_slots: int = 0
     held_elsewhere: dict[str, int] = field(default_factory=dict)
     policy_version: int = -1
     at: float = 0.0
@@ -155,8 +167,12 @@ class FleetState:
         return self.slots * policy_snapshot().pool.target_utilisation
 
     def pool_room(self, shard: str) -> int | None:
-        """The most jobs `shard`'s key may hold now (fairqueue.jobs.admission.pool_room)."""
-        return pool_room(slots=self.slots, held_by_shard=self.held_by_shard, shard=shard)
+        """The most jobs `shard`'s key may hold now (fairqueue.jobs.admission.pool_room):
+        the pool's slots are shared over the holders not in the quarantine lane, and the
+        shard's lane holders, on the lane's own workers, come on top."""
+        on_pool = {s: held - self.lane_by_shard.get(s, 0) for s, held in self.held_by_shard.items()}
+        room = pool_room(slots=self.slots, held_by_shard=on_pool, shard=shard)
+        return None if room is None else room + self.lane_by_shard.get(shard, 0)
 
     def batch_limit(self, shard: str) -> int:
         by_shard = dict(self.batch_by_shard)
@@ -525,13 +541,15 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
     in_flight = 0
     batch_by_shard: dict[str, int] = {}
     held_by_shard: dict[str, int] = {}
+    lane_by_shard: dict[str, int] = {}
     held = {str(k): int(v) for k, v in redis_client().hgetall(HELD_ELSEWHERE_KEY).items()}
-    by_tag = engine().counts_many({shard_tag(shard): [SHARD_KEY, BATCH_KEY] for shard in policy.shards})
+    by_tag = engine().counts_many({shard_tag(shard): [SHARD_KEY, BATCH_KEY, QUARANTINE_KEY] for shard in policy.shards})
     for shard in policy.shards:
         counts = by_tag[shard_tag(shard)]
         batch_by_shard[shard] = counts.get(BATCH_KEY, 0)
         held_by_shard[shard] = counts.get(SHARD_KEY, 0)
-        in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0)
+        lane_by_shard[shard] = counts.get(QUARANTINE_KEY, 0)
+        in_flight += counts.get(SHARD_KEY, 0) - counts.get(BATCH_KEY, 0) - counts.get(QUARANTINE_KEY, 0)
     batch = sum(batch_by_shard.values())
     _fleet = FleetState(
         slots=fleet["slots"],
@@ -542,6 +560,9 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
         batch_in_flight=batch,
         batch_by_shard=batch_by_shard,
         held_by_shard=held_by_shard,
+        lane_by_shard=lane_by_shard,
+        quarantine_workers=fleet["quarantine_workers"],
+        quarantine_slots=fleet["quarantine_slots"],
         held_elsewhere=held,
         policy_version=policy.version,
         at=now,

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from django.db.models import QuerySet
 
 from fairqueue.conf import fq_settings
+from fairqueue.jobs.fleet import QUARANTINE_LANE
 from fairqueue.jobs.models import TERMINAL_STATUSES, Job
 from tenants.policy import PoolPolicy
 
 WORKER_LOST = "worker_lost"
-LANE = "quarantine"  # the lane's name where the API and the dashboard show it
+LANE = QUARANTINE_LANE  # the lane's name where the API, the dashboard and the fleet registry show it
 REASON_MAX = Job._meta.get_field("quarantine_reason").max_length or 0
 
 

@@ -27,11 +27,12 @@ from fairqueue.jobs.backpressure import Backpressure
 from fairqueue.jobs.celery_host import consumes_fairqueue
 from fairqueue.jobs.duties import scheduler_tick
 from fairqueue.jobs.execution import job_requeue_graceful
-from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, worker_deregister, worker_heartbeat
+from fairqueue.jobs.fleet import HEARTBEAT_SECONDS, QUARANTINE_LANE, worker_deregister, worker_heartbeat
 from fairqueue.jobs.handoff import handoff_enable, handoff_stop
 from fairqueue.jobs.isolation import isolated_pool_stop
 from fairqueue.jobs.leadership import DutyLease
 from fairqueue.jobs.leases import active_leases
+from fairqueue.queues import QUARANTINE_QUEUE
 
 log = logging.getLogger("fairqueue.worker")
 
@@ -48,7 +49,7 @@ _lease: DutyLease | None = None
 _backpressure: Backpressure | None = None
 
 
-def _heartbeat(hostname: str, slots: int, backpressure: Backpressure) -> None:
+def _heartbeat(hostname: str, slots: int, backpressure: Backpressure, lane: str) -> None:
     while not _stop.is_set():
         try:
             running, batch = active_leases.count()
@@ -60,6 +61,7 @@ def _heartbeat(hostname: str, slots: int, backpressure: Backpressure) -> None:
                 capacity=slots,
                 signal=backpressure.signal,
                 reason=backpressure.reason,
+                lane=lane,
             )
             stats.flush()
         except Exception:
@@ -106,8 +108,10 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
         consumer=sender, capacity=slots, running=lambda: active_leases.count()[0]
     )
     backpressure.start()
+    # A worker of the quarantine lane alone offers the lane its slots, not the pool.
+    lane = QUARANTINE_LANE if set(consumed) == {QUARANTINE_QUEUE} else ""
     threading.Thread(
-        target=_heartbeat, args=(hostname, slots, backpressure), name="fairqueue-heartbeat", daemon=True
+        target=_heartbeat, args=(hostname, slots, backpressure, lane), name="fairqueue-heartbeat", daemon=True
     ).start()
     interval = min(max(float(fq_settings().LEASE_SECONDS) / 2, 0.5), TICK_SECONDS)
     _lease = DutyLease(hostname)
@@ -120,7 +124,7 @@ def _on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     )
     # Each job run in Celery's events and `inspect active` under its own task name.
     task_events.task_events_enable(sender)
-    log.info("worker %s registered with %s slots", hostname, slots)
+    log.info("worker %s registered with %s slots%s", hostname, slots, f" for the {lane} lane" if lane else "")
 
 
 def _consumed_queues(consumer: Any) -> list[str]:
