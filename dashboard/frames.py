@@ -6,9 +6,10 @@ searched for, opened) and what it was last sent. From each tick's picture
 
 - the first frame (`"t": "picture"`): the picture, its rows cut to the top N and the
   page's own tenants;
-- every later one (`"t": "delta"`): for the pool, the totals, capacity and the
-  dependencies, the keys whose value changed; the top's order, the red cells, the workers,
-  the resources and the policy changes whole when they changed; per tenant row the fields
+- every later one (`"t": "delta"`): for the pool, the quarantine lane, the totals,
+  capacity, the dependencies and the engine's memory, the keys whose value changed; the
+  top's order, the red cells, the workers, the resources, the policy changes and the
+  documents in flight whole when they changed; per tenant row the fields
   that changed (a row new to the page: whole) and the rows the page should drop (`gone`);
   the grid's shards, classes and counts when they changed, per cell the fields that
   changed (a cell new to the page: whole, with its history) and the cells to drop. A tick
@@ -23,8 +24,9 @@ Delta shape::
 
     {"t": "delta", "ts",
      "pool"?: {key: value}, "quarantine"?: {...}, "totals"?: {...}, "capacity"?: {...}, "dependencies"?: {...},
+     "engine_memory"?: {...},
      "top"?: [slug, ...], "top_n"?: n, "red"?: {...}, "workers"?: [...], "resources"?: [...],
-     "policy_changes"?: [...],
+     "policy_changes"?: [...], "documents"?: {...},
      "rows"?: {slug: {field: value}}, "gone"?: [slug, ...],
      "grid"?: {"classes"?, "shards"?, "shards_total"?, "counts"?,
                "cells"?: {key: {field: value}}, "gone"?: [key, ...]}}
@@ -36,8 +38,10 @@ import json
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
-DICT_SECTIONS = ("pool", "quarantine", "totals", "capacity", "dependencies")  # sent as the keys that changed
-WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources", "policy_changes")  # sent whole when changed
+# Sent as the keys that changed.
+DICT_SECTIONS = ("pool", "quarantine", "totals", "capacity", "dependencies", "engine_memory")
+# Sent whole when changed.
+WHOLE_SECTIONS = ("top", "top_n", "red", "workers", "resources", "policy_changes", "documents")
 GRID_WHOLE = ("classes", "shards", "shards_total", "counts")
 
 

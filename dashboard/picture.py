@@ -32,6 +32,7 @@ Shape::
      "workers": [...], "resources": [...], "dependencies": {name: answers now},
      "policy_changes": [...],                  # the latest, drawn as markers on the charts
      "documents": {"in_flight", "tenants": {slug: {...}} (those shown), "top": [...]},  # fan-out
+     "engine_memory": {...},                   # the snapshot's: the memory guard's figures
      "capacity": {... as the snapshot's, but "ahead" as "ahead_values": [slots, ...] one every
                   "ahead_step_s" from "ts"}}
 
@@ -60,6 +61,8 @@ GRID_SHARDS = 20  # shard rows the grid shows; the rest are counted
 RED_SHOWN = 20  # red cells listed by name; the rest are counted
 LATEST_KEY = "fq:dash:picture"  # the last tick's picture, for pages that open before the next
 LATEST_SECONDS = 3  # kept while this fresh: a page opening later builds its own
+ENGINE_MEMORY_STEP_BYTES = 1 << 20  # the engine memory a page is shown, in MiB steps
+ENGINE_MEMORY_RATIO_DIGITS = 3  # and its used share, in 0.1 % steps
 
 
 def top_tenants() -> int:
@@ -191,6 +194,23 @@ def picture_make(snapshot: dict[str, Any], *, top_n: int, watched: Collection[st
         "dependencies": snapshot["dependencies"],
         "policy_changes": snapshot["policy_changes"],
         "documents": _documents(snapshot.get("documents"), shown),
+        "engine_memory": _engine_memory(snapshot["engine_memory"]),
+    }
+
+
+def _engine_memory(memory: dict[str, Any]) -> dict[str, Any]:
+    """The engine's memory in ENGINE_MEMORY_STEP_BYTES steps: every write moves the exact
+    figure, and a page is sent what changed, so an idle tick would otherwise never be."""
+
+    def step(n: int | None) -> int | None:
+        return None if n is None else n - n % ENGINE_MEMORY_STEP_BYTES
+
+    ratio = memory["used_ratio"]
+    return {
+        **memory,
+        "used_bytes": step(memory["used_bytes"]),
+        "headroom_bytes": step(memory["headroom_bytes"]),
+        "used_ratio": None if ratio is None else round(ratio, ENGINE_MEMORY_RATIO_DIGITS),
     }
 
 

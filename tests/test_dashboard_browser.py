@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.request
 from datetime import timedelta
 
@@ -98,6 +99,52 @@ class DashboardBrowserTests(RedisTransactionTestCase):
                 self.assertTrue(page.evaluate("window.__sameDocument === true"), "the page reloaded")
             except Exception:
                 page.screenshot(path=str(OUTPUT / "dashboard-failure.png"), full_page=True)
+                raise
+            finally:
+                browser.close()
+
+    def test_the_page_draws_documents_in_flight_engine_memory_and_the_quarantine_lane(self) -> None:
+        from playwright.sync_api import expect, sync_playwright
+
+        self.tenant.max_fan_out = 2
+        self.tenant.max_concurrency = None  # the document's cap alone bounds its pages
+        self.tenant.save()
+        normal = WorkerProcess(slots=4, name="normal")
+        lane = WorkerProcess(slots=1, name="lane", quarantine=True)
+        with normal, lane, sync_playwright() as pw:
+            browser = chromium_launch(pw)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            try:
+                staff_login(page, self.base, "/dashboard/")
+                expect(page.locator("#conn-state")).to_have_text("live", timeout=10_000)
+                # The quarantine worker's slot is the lane's, not the pool's.
+                expect(page.locator("#pool-slots")).to_have_text("4", timeout=10_000)
+                expect(page.locator("#quarantine-workers")).to_have_text("1", timeout=10_000)
+                expect(page.locator("#quarantine-unstaffed")).to_be_hidden()
+                # The engine's memory, read from its Redis; this one has room, so the guard is off.
+                expect(page.locator("#engine-memory-used")).to_have_text(re.compile(r"^\d+(\.\d)? (B|KiB|MiB|GiB)$"))
+                expect(page.locator("#engine-memory-guard")).to_have_text("off")
+                expect(page.locator("#documents-in-flight")).to_have_text("0")
+
+                body = {"task": "demo.document", "args": {"pages": 8, "seconds_per_page": 1.5}}
+                request = urllib.request.Request(
+                    f"{self.base}/api/v1/jobs",
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.key}"},
+                    method="POST",
+                )
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    document_id = json.loads(response.read())["id"]
+                expect(page.locator("#documents-in-flight")).to_have_text("1", timeout=20_000)
+                row = page.locator(f"#documents tr[data-document='{document_id}']")
+                expect(row.locator("td.children")).to_have_text("8", timeout=10_000)
+                expect(row.locator("td.running")).to_have_text("2", timeout=20_000)  # its fan-out cap
+                page.screenshot(path=str(OUTPUT / "dashboard-documents.png"), full_page=True)
+                # Done, the document leaves the panel.
+                expect(page.locator("#documents-in-flight")).to_have_text("0", timeout=60_000)
+                expect(page.locator("#documents tr.none")).to_be_visible()
+            except Exception:
+                page.screenshot(path=str(OUTPUT / "dashboard-documents-failure.png"), full_page=True)
                 raise
             finally:
                 browser.close()

@@ -120,6 +120,44 @@
     setText("quarantine-running", q.running);
     setText("quarantine-waiting", q.waiting);
     setText("quarantine-oldest", q.oldest_wait_s == null ? "—" : q.oldest_wait_s.toFixed(1) + " s");
+    setText("quarantine-workers", q.workers == null ? "—" : q.workers);
+    document.getElementById("quarantine-unstaffed").hidden = !(q.waiting > 0 && q.workers === 0);
+  }
+  function bytes(n) {
+    if (n == null) return "—";
+    var units = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+    return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+  }
+  function renderEngineMemory(m) {
+    if (!m) return;
+    setText("engine-memory-used", bytes(m.used_bytes));
+    setText("engine-memory-max", m.max_bytes ? bytes(m.max_bytes) : "no limit");
+    setText("engine-memory-ratio", m.used_ratio == null ? "—" : pct(m.used_ratio));
+    setText("engine-memory-headroom", m.headroom_bytes == null ? "—" : bytes(m.headroom_bytes) +
+      " (threshold " + m.threshold_pct + " %)");
+    setText("engine-memory-guard", m.guard_active ? "refusing: at most " + m.guard_cap + " waiting jobs per tenant" : "off");
+    document.getElementById("engine-memory-panel").classList.toggle("alert", !!m.guard_active);
+  }
+  function renderDocuments() {
+    var d = S.documents || { in_flight: 0, top: [] };
+    setText("documents-in-flight", d.in_flight);
+    var body = document.querySelector("#documents tbody");
+    var rows = d.top.map(function (doc) {
+      var tr = el("tr", { "data-document": doc.id });
+      tr.appendChild(el("td", null, doc.id));
+      tr.appendChild(el("td", null, doc.tenant));
+      tr.appendChild(el("td", { "class": "children" }, doc.children));
+      tr.appendChild(el("td", { "class": "running" }, doc.running));
+      tr.appendChild(el("td", null, doc.cap == null ? "—" : doc.cap));
+      return tr;
+    });
+    if (!rows.length) {
+      var none = el("tr", { "class": "none" });
+      none.appendChild(el("td", { colspan: "5" }, "None."));
+      rows = [none];
+    }
+    body.replaceChildren.apply(body, rows);
   }
   function renderTotals(t) {
     setText("total-tenants", t.tenants);
@@ -515,6 +553,8 @@
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     renderPool(S.pool);
     renderQuarantine(S.quarantine);
+    renderEngineMemory(S.engine_memory);
+    renderDocuments();
     renderTotals(S.totals);
     renderGrid();
     renderRed();
@@ -529,7 +569,13 @@
     setText("generated-at", new Date(S.ts * 1000).toLocaleTimeString());
     if (d.pool) { merge(S.pool, d.pool); renderPool(S.pool); }
     if (d.quarantine) { S.quarantine = S.quarantine || {}; merge(S.quarantine, d.quarantine); renderQuarantine(S.quarantine); }
-    ["top", "top_n", "red", "workers", "resources", "policy_changes"].forEach(function (k) { if (k in d) S[k] = d[k]; });
+    if (d.engine_memory) {
+      S.engine_memory = S.engine_memory || {}; merge(S.engine_memory, d.engine_memory); renderEngineMemory(S.engine_memory);
+    }
+    ["top", "top_n", "red", "workers", "resources", "policy_changes", "documents"].forEach(function (k) {
+      if (k in d) S[k] = d[k];
+    });
+    if ("documents" in d) renderDocuments();
     if (d.totals || "top_n" in d) { merge(S.totals, d.totals || {}); renderTotals(S.totals); }
     if (d.rows) {
       Object.keys(d.rows).forEach(function (slug) {
