@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Q
 from django.test import Client, override_settings
 
 from dashboard.metrics import collector_register
@@ -83,7 +84,12 @@ class FanOutBase(RedisTransactionTestCase):
             job = Job.objects.get(id=job_id)
             return job if job.finished_at is not None else None
 
-        return wait_for(done, timeout=timeout, message=f"job {job_id} to finish")  # type: ignore[no-any-return]
+        try:
+            return wait_for(done, timeout=timeout, message=f"job {job_id} to finish")  # type: ignore[no-any-return]
+        except AssertionError as exc:  # say where the document stands, for the next reader
+            family = Job.objects.filter(Q(id=job_id) | Q(parent_id=job_id)).order_by("child_index")
+            where = [(j.child_index, j.status, j.generation, j.worker, j.engine_keys, j.timeline) for j in family]
+            raise AssertionError(f"{exc}: {where}") from exc
 
 
 class FanOutTests(FanOutBase):
