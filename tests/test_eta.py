@@ -33,6 +33,7 @@ from tests.workers import WorkerProcess, wait_for
 SHORT_FINISHED = 8  # EtaFromRecentJobs: finished jobs of 0.1 s, and as many running for
 LONG_RUNNING_S = 2.0  # this long
 WAITED_S = 2.0
+MIN_LONG_WAITS = 50  # jobs past WAITED_S that make a run's medians worth comparing
 TARGET_ERROR = 0.30
 ATTEMPTS = 3
 MIN_RANK_CORRELATION = 0.6
@@ -242,7 +243,11 @@ class EtaAccuracy(RedisTransactionTestCase):
             for attempt in range(1, ATTEMPTS + 1):
                 pairs = self.run_workload(tenants, plan)
                 long_waits = [(eta, actual) for eta, actual in pairs if actual > WAITED_S]
-                self.assertGreater(len(long_waits), 50, "the burst makes many jobs wait")
+                if len(long_waits) < MIN_LONG_WAITS:
+                    # The burst's median wait is near WAITED_S: a fleet a little quicker than
+                    # usual leaves too few jobs past it to measure. Not a wrong ETA: run again.
+                    print(f"\nETA at submit, run {attempt}: only {len(long_waits)} jobs waited > {WAITED_S:g} s")
+                    continue
                 absolute = statistics.median(abs(eta - actual) for eta, actual in long_waits)
                 median_wait = statistics.median(actual for _, actual in long_waits)
                 relative = statistics.median(abs(eta - actual) / actual for eta, actual in long_waits)
@@ -262,6 +267,7 @@ class EtaAccuracy(RedisTransactionTestCase):
         finally:
             for worker in workers:
                 worker.kill()
+        self.assertTrue(errors_by_run, f"no run made {MIN_LONG_WAITS} jobs wait more than {WAITED_S:g} s")
         self.assertLessEqual(
             min(errors_by_run),
             TARGET_ERROR,
