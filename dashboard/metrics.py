@@ -345,9 +345,7 @@ def _quarantine_families(lane: dict[str, Any] | None) -> list[Metric]:
     if lane is None:
         return []
     return [
-        GaugeMetricFamily(
-            "fairqueue_quarantine_slots", "Quarantined jobs that may run at once per shard.", value=lane["slots"]
-        ),
+        GaugeMetricFamily("fairqueue_quarantine_slots", "Quarantined jobs that may run at once.", value=lane["slots"]),
         GaugeMetricFamily(
             "fairqueue_quarantine_running",
             "Quarantined jobs holding a lane slot (running, or on their way to a quarantine worker).",

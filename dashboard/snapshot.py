@@ -30,7 +30,7 @@ JSON shape (all numbers plain; ages and durations in seconds)::
                "batch_share",   # batch busy slots / slots
                "target",        # slots x target utilisation
                "floor_headroom", "flood_utilisation"},  # slots kept for floors, and their cost
-      "quarantine": {"slots" (the lane's cap per shard), "running" (jobs holding a lane slot),
+      "quarantine": {"slots" (the lane's cap, across the shards), "running" (jobs holding a lane slot),
                      "waiting", "oldest_wait_s" (null when none waits),
                      "workers", "worker_slots"},  # its live workers (not the pool's); fairqueue.jobs.quarantine
       "shards": ["default", ...], "classes": ["critical", "high", "default", "low", "batch"],

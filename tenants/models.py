@@ -309,8 +309,8 @@ class PoolSettings(models.Model):
     quarantine_slots = models.PositiveIntegerField(
         default=1,
         help_text=(
-            "Quarantined jobs that may run at once, per shard (an engine key each such job holds with its tenant's "
-            "keys; beyond it they wait in fair order). 0: none run (the lane is paused)."
+            "Quarantined jobs that may run at once, across the shards (an engine key each such job holds with its "
+            "tenant's keys; beyond it they wait in fair order). 0: none run (the lane is paused)."
         ),
     )
     backlog_quota = models.PositiveIntegerField(

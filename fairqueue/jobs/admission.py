@@ -22,9 +22,10 @@ from tenants.policy import PolicySnapshot, TenantPolicy
 # so waiting jobs never eat the shared capacity of wider keys (or inflate in-flight counts).
 SHARD_KEY = "3:shard"
 BATCH_KEY = "2:batch"  # per shard: capacity that would otherwise sit idle
-# Per shard: the quarantine lane's cap (PoolSettings.quarantine_slots), held by quarantined
-# jobs besides their tenant's keys. It sorts after the tenant's keys and before the shard's:
-# a job waiting for a quarantine slot holds no shard slot meanwhile.
+# Per shard: the quarantine lane's slots (`lane_room`: the pool's quarantine_slots less what
+# the other shards' lane keys hold), held by quarantined jobs besides their tenant's keys.
+# It sorts after the tenant's keys and before the shard's: a job waiting for a quarantine
+# slot holds no shard slot meanwhile.
 QUARANTINE_KEY = "3:quarantine"
 BATCH_PRIORITY = 0
 # Admitted jobs may outnumber the pool's live slots by this many: a delivery in transit to a
@@ -162,6 +163,31 @@ def pool_room(*, slots: int, held_by_shard: Mapping[str, int], shard: str, margi
     return max(0, slots + margin - elsewhere)
 
 
+def lane_room(*, slots: int, held_by_shard: Mapping[str, int], shard: str) -> int:
+    """The most quarantined jobs `shard`'s lane key may hold now: the pool's `slots` for the
+    lane (its quarantine_slots), less what the other shards' lane keys hold, so the cap holds
+    across shards as the pool's room does (two shards admitting in the same instant, each
+    seeing the other's count of a moment before, may pass it by the jobs they admit then)."""
+    elsewhere = sum(held_by_shard.values()) - held_by_shard.get(shard, 0)
+    return max(0, slots - elsewhere)
+
+
+def lane_limits(*, slots: int, held_by_shard: Mapping[str, int], shards: Sequence[str], turn: int) -> dict[str, int]:
+    """Each shard's lane key limit as a tick sets it: what the shard holds, and the lane's
+    free slots for the one shard whose turn it is (`turn` rotates over `shards`), so that
+    waiters in two shards are never both woken for the same free slot. A waiter waits up to
+    one tick per shard; a new quarantined job is admitted at `lane_room` at once. While the
+    lane holds nothing nobody waits there (an admission then finds room), and every shard
+    gets all the slots: the limits stay put, and a tick sends none."""
+    held = {shard: held_by_shard.get(shard, 0) for shard in shards}
+    if not any(held.values()):
+        return dict.fromkeys(held, slots)
+    free = max(0, slots - sum(held.values()))
+    ordered = sorted(shards)
+    lucky = ordered[turn % len(ordered)] if ordered else None
+    return {shard: n + (free if shard == lucky else 0) for shard, n in held.items()}
+
+
 def flood_utilisation(*, slots: int, headroom: int) -> float:
     """The floor headroom's cost: the share of the pool one tenant above its floor can fill
     (the slots kept for tenants below theirs stay free while nobody below a floor asks)."""
@@ -273,6 +299,7 @@ def admission_plan(
     pool_room: int | None = None,
     document: tuple[str, int] | None = None,
     quarantined: bool = False,
+    quarantine_room: int | None = None,
 ) -> AdmissionPlan:
     """Keys for one job. A batch job waits on its shard's batch key instead of its tenant's
     key: it runs only on idle capacity and must not eat into the tenant's interactive limit.
@@ -291,8 +318,9 @@ def admission_plan(
     the fan-out; at the tenant and sub-tenant keys the child's flow is then its document,
     so a tenant's documents share its slots in fair order however many pages each has.
 
-    `quarantined`: the job is in the quarantine lane; it holds the lane's key too, at the
-    pool's `quarantine_slots`, and waits there in fair order (one flow per tenant).
+    `quarantined`: the job is in the quarantine lane; it holds the lane's key too, at
+    `quarantine_room` (`lane_room()`; None: the pool's whole `quarantine_slots`), and
+    waits there in fair order (one flow per tenant).
     """
     breakdown = tenant_limit_for(policy, tenant, signals)
     shard = policy.shards[tenant.shard]
@@ -312,7 +340,7 @@ def admission_plan(
     if document:
         limits.append(document[1])
     if quarantined:
-        limits.append(policy.pool.quarantine_slots)
+        limits.append(policy.pool.quarantine_slots if quarantine_room is None else quarantine_room)
     tag, names = placement or job_placement(
         tenant=tenant, sub_tenant=sub_tenant, batch=batch, resources=resources, document=parent, quarantined=quarantined
     )

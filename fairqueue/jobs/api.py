@@ -513,7 +513,7 @@ class PoolOut(Schema):
     )
     floor_headroom: int = Field(0, description="Slots kept for tenants below their floor (a pool setting).")
     quarantine_slots: int = Field(
-        1, description="Jobs of the quarantine lane that may run at once per shard (a pool setting)."
+        1, description="Jobs of the quarantine lane that may run at once, across the shards (a pool setting)."
     )
     flood_utilisation: float = Field(
         1.0, description="The headroom's cost: the share of the pool a tenant above its floor can fill."

@@ -31,6 +31,7 @@ from fairqueue.jobs.admission import (
     class_level,
     job_placement,
     known_resources,
+    lane_room,
     shard_tag,
 )
 from fairqueue.jobs.broker import deliveries_publish, delivery_route, route_carry, split_engine_id
@@ -339,6 +340,12 @@ def _jobs_admit(
     # Jobs alike (a bulk's, mostly) share one plan: the same keys and limits, from the same
     # signals, read once per call rather than once per job.
     shared: dict[tuple[Any, ...], AdmissionPlan] = {}
+    # Quarantined jobs of this call, by shard: the lane's slots are shared over the shards,
+    # so each counts against the others' room (as held) whether it is admitted or parks.
+    lane_granted: dict[str, int] = {}
+    # Read now, not from the fleet's cache: the leader moves jobs into the lane and admits
+    # them in calls a moment apart, and each must see what the last one admitted.
+    lane_held = live.lane_held_read(policy) if any(j.quarantined for j in jobs) else {}
     for job in jobs:
         tp = policy.tenants.get(job.tenant.slug)
         if tp is None or job.status in TERMINAL_STATUSES:
@@ -349,7 +356,8 @@ def _jobs_admit(
         document = (job.document, job.fan_out_cap or tp.max_fan_out) if job.document else None
         alike = (tp.slug, job.sub_tenant, job.priority, batch, tag, tuple(names), tuple(resources.items()), document)
         quarantined = job.quarantined
-        plan = shared.get(alike)
+        # A quarantined job's lane room depends on the jobs before it here: no plan shared.
+        plan = None if quarantined else shared.get(alike)
         if plan is None:
             fleet = live.fleet_state()
             plan = shared[alike] = admission_plan(
@@ -368,7 +376,12 @@ def _jobs_admit(
                 pool_room=None if running else fleet.pool_room(tp.shard),
                 document=document,
                 quarantined=quarantined,
+                quarantine_room=(
+                    _lane_room(policy, tp.shard, lane_granted, lane_held) if quarantined and not running else None
+                ),
             )
+        if quarantined:
+            lane_granted[tp.shard] = lane_granted.get(tp.shard, 0) + 1
         items.append(
             AdmitRequest(
                 tag=plan.tag,
@@ -531,6 +544,14 @@ def waits_trace(woken: Iterable[Woken]) -> None:
             job_id=job_id,
             generation=generation,
         )
+
+
+def _lane_room(policy: PolicySnapshot, shard: str, granted: dict[str, int], held: dict[str, int]) -> int:
+    """A quarantined job's lane room: the lane's slots less what the other shards hold (as
+    read at the start of this call: `held`) and the jobs given to other shards' lane keys
+    earlier in it."""
+    counted = {s: held.get(s, 0) + granted.get(s, 0) for s in {*held, *granted}}
+    return lane_room(slots=policy.pool.quarantine_slots, held_by_shard=counted, shard=shard)
 
 
 def jobs_redeliver(engine_ids: Iterable[str]) -> None:

@@ -21,9 +21,11 @@ from fairqueue.engine import KeyLimit, KeysArg
 from fairqueue.jobs import cells, fanout, live
 from fairqueue.jobs.admission import (
     BATCH_KEY,
+    QUARANTINE_KEY,
     SHARD_KEY,
     job_placement,
     known_resources,
+    lane_limits,
     shard_reserve,
     shard_tag,
     tenant_key,
@@ -370,6 +372,7 @@ def limits_refresh() -> int:
     roster = _roster_for(policy)
     members_of = roster.members_of
     fleet = live.fleet_state(max_age=0.05)  # the idle share must see the pool as it is now
+    lanes = _lane_limits(policy)
     # The tick decides afresh: what it published last time (shares, caps, its limits) is
     # not an input, except each tenant's previous cap (see _key_limit).
     signals, signals_changed = _signals_view.read(list(policy.tenants), fleet=fleet)
@@ -419,13 +422,24 @@ def limits_refresh() -> int:
             shard_limit = capacities[name] if room is None else min(capacities[name], room)
             # The shard key's reserve (the pool's floor headroom) goes with its limit.
             shard = KeyLimit(SHARD_KEY, shard_limit, reserve=shard_reserve(policy))
-            limits: dict[str, int | KeyLimit] = {SHARD_KEY: shard, BATCH_KEY: fleet.batch_limit(name)}
+            limits: dict[str, int | KeyLimit] = {
+                SHARD_KEY: shard,
+                BATCH_KEY: fleet.batch_limit(name),
+                QUARANTINE_KEY: lanes[name],
+            }
             limits.update({tenant_key(slug): limits_set[slug] for slug in members_of[name]})
             wanted[shard_tag(name)] = limits
         _planned = _Planned(
             inputs=(policy, *inputs), plan=plan, published=published, wanted=wanted, signals_read=_signals_view.reads
         )
         reused = False
+    # The quarantine lane's slots are the pool's, their free ones one shard's a tick (its
+    # turn rotates): decided afresh each tick, a reused plan or not. A reused plan's tag
+    # whose lane limit moved gets limits of its own; the others keep the plan's.
+    for name, lane in lanes.items():
+        tag = shard_tag(name)
+        if tag in wanted and wanted[tag].get(QUARANTINE_KEY) != lane:
+            wanted = {**wanted, tag: {**wanted[tag], QUARANTINE_KEY: lane}}
     if live.shares_publish(plan.idle, plan.fair, plan.caps, published, unchanged=reused):
         # What this process remembers sending may not hold either (another process ticked
         # meanwhile, or Redis lost its data): send every limit this tick.
@@ -460,6 +474,17 @@ def limits_refresh() -> int:
             outcomes_handle(woken=result, reclaimed=[])
             woken += len(result)
     return woken
+
+
+def _lane_limits(policy: PolicySnapshot) -> dict[str, int]:
+    """The lane keys' limits this tick sets (fairqueue.jobs.admission.lane_limits), from
+    their holders read now rather than from the fleet's cache: the leader, which admits
+    the lane's jobs, admits them between ticks, and a limit from counts older than an
+    admission would give its slot to a second shard."""
+    held = live.lane_held_read(policy)
+    return lane_limits(
+        slots=policy.pool.quarantine_slots, held_by_shard=held, shards=list(policy.shards), turn=_pushed.turn
+    )
 
 
 def limits_pushed_forget() -> None:

@@ -36,7 +36,7 @@ from fairqueue.jobs.admission import (
 )
 from fairqueue.jobs.fleet import fleet_read
 from fairqueue.jobs.runtime import engine, redis_client
-from tenants.policy import policy_snapshot
+from tenants.policy import PolicySnapshot, policy_snapshot
 
 SIGNAL_TTL_SECONDS = 1.0
 FLEET_TTL_SECONDS = 1.0
@@ -568,6 +568,12 @@ def fleet_state(*, max_age: float = FLEET_TTL_SECONDS) -> FleetState:
         at=now,
     )
     return _fleet
+
+
+def lane_held_read(policy: PolicySnapshot) -> dict[str, int]:
+    """Each shard's quarantined jobs holding a lane slot, read now: one engine round trip."""
+    by_tag = engine().counts_many({shard_tag(shard): [QUARANTINE_KEY] for shard in policy.shards})
+    return {shard: by_tag[shard_tag(shard)].get(QUARANTINE_KEY, 0) for shard in policy.shards}
 
 
 def live_signals(*, tenant_slug: str) -> LiveSignals:
